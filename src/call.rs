@@ -109,7 +109,13 @@ impl<'a> AttnCall<'a> {
         Self::with_layout(q, k, v, Layout::Dense)
     }
     /// A varlen call.
-    pub fn varlen(q: &'a Tensor, k: &'a Tensor, v: &'a Tensor, cu_seqlens_q: &'a [i32], cu_seqlens_k: &'a [i32]) -> Self {
+    pub fn varlen(
+        q: &'a Tensor,
+        k: &'a Tensor,
+        v: &'a Tensor,
+        cu_seqlens_q: &'a [i32],
+        cu_seqlens_k: &'a [i32],
+    ) -> Self {
         Self::with_layout(q, k, v, Layout::Varlen { cu_seqlens_q, cu_seqlens_k })
     }
     /// A paged call over `k_cache`/`v_cache` `[num_blocks, block_size, Hkv, D]`.

@@ -85,7 +85,12 @@ impl<'a> Checked<'a> {
     #[inline]
     pub fn seq(&self, b: usize) -> Seq {
         match self.call.layout {
-            Layout::Dense => Seq { q_start: b * self.dense_sq, q_len: self.dense_sq, k_start: b * self.dense_sk, k_len: self.dense_sk },
+            Layout::Dense => Seq {
+                q_start: b * self.dense_sq,
+                q_len: self.dense_sq,
+                k_start: b * self.dense_sk,
+                k_len: self.dense_sk,
+            },
             Layout::Varlen { cu_seqlens_q, cu_seqlens_k } => {
                 let (q0, q1) = (cu_seqlens_q[b] as usize, cu_seqlens_q[b + 1] as usize);
                 let (k0, k1) = (cu_seqlens_k[b] as usize, cu_seqlens_k[b + 1] as usize);
@@ -191,13 +196,21 @@ fn check_cu(arg: &'static str, cu: &[i32], batch: Option<usize>, total: usize) -
     let mut max = 0;
     for i in 1..cu.len() {
         if cu[i] < cu[i - 1] {
-            return Err(Error::value(format!("{arg}[{i}]"), cu[i], format!("is less than {arg}[{}] = {}: prefix sums must not decrease", i - 1, cu[i - 1])));
+            return Err(Error::value(
+                format!("{arg}[{i}]"),
+                cu[i],
+                format!("is less than {arg}[{}] = {}: prefix sums must not decrease", i - 1, cu[i - 1]),
+            ));
         }
         max = max.max((cu[i] - cu[i - 1]) as usize);
     }
     let last = *cu.last().unwrap_or(&0);
     if last as usize != total || last < 0 {
-        return Err(Error::value(format!("{arg}[{}]", cu.len() - 1), last, format!("must equal the token count {total}")));
+        return Err(Error::value(
+            format!("{arg}[{}]", cu.len() - 1),
+            last,
+            format!("must equal the token count {total}"),
+        ));
     }
     Ok(max)
 }
@@ -219,14 +232,22 @@ pub fn validate<'a>(
     };
     for (name, t) in [(k_name, k), (v_name, v)] {
         if t.dtype() != q.dtype() {
-            return Err(Error::DType { arg: name, got: t.dtype(), expected: format!("{} (the dtype of q)", q.dtype()) });
+            return Err(Error::DType {
+                arg: name,
+                got: t.dtype(),
+                expected: format!("{} (the dtype of q)", q.dtype()),
+            });
         }
     }
     check_device("q", q, device, backend)?;
     check_device(k_name, k, device, backend)?;
     check_device(v_name, v, device, backend)?;
     if k.shape() != v.shape() {
-        return Err(Error::Shape { arg: v_name, got: v.shape().to_vec(), expected: format!("{:?} (the shape of {k_name})", k.shape()) });
+        return Err(Error::Shape {
+            arg: v_name,
+            got: v.shape().to_vec(),
+            expected: format!("{:?} (the shape of {k_name})", k.shape()),
+        });
     }
     let kind = call.layout.kind();
     let (q_rank, kv_rank) = match kind {
@@ -254,13 +275,21 @@ pub fn validate<'a>(
         return Err(Error::value("q.shape[-1] (D)", d, "head dim must be >= 1"));
     }
     if dk != d {
-        return Err(Error::Shape { arg: k_name, got: ks.to_vec(), expected: format!("{kv_expect} with D = {d} (the head dim of q)") });
+        return Err(Error::Shape {
+            arg: k_name,
+            got: ks.to_vec(),
+            expected: format!("{kv_expect} with D = {d} (the head dim of q)"),
+        });
     }
     if hq == 0 {
         return Err(Error::value("q.shape (Hq)", hq, "needs at least one query head"));
     }
     if hkv == 0 || hq % hkv != 0 {
-        return Err(Error::value(format!("{k_name}.shape (Hkv)"), hkv, format!("Hq = {hq} must be a positive multiple of Hkv")));
+        return Err(Error::value(
+            format!("{k_name}.shape (Hkv)"),
+            hkv,
+            format!("Hq = {hq} must be a positive multiple of Hkv"),
+        ));
     }
 
     let mut c = Checked {
@@ -283,7 +312,11 @@ pub fn validate<'a>(
     match call.layout {
         Layout::Dense => {
             if ks[0] != qs[0] {
-                return Err(Error::Shape { arg: k_name, got: ks.to_vec(), expected: format!("{kv_expect} with B = {} (the batch of q)", qs[0]) });
+                return Err(Error::Shape {
+                    arg: k_name,
+                    got: ks.to_vec(),
+                    expected: format!("{kv_expect} with B = {} (the batch of q)", qs[0]),
+                });
             }
             c.batch = qs[0];
             c.dense_sq = qs[1];
@@ -306,10 +339,18 @@ pub fn validate<'a>(
                 return Err(Error::value("k_cache.shape[1] (block_size)", 0, "must be >= 1"));
             }
             if seq_lens.len() != c.batch {
-                return Err(Error::value("seq_lens.len()", seq_lens.len(), format!("must be B = {} (cu_seqlens_q has B+1 entries)", c.batch)));
+                return Err(Error::value(
+                    "seq_lens.len()",
+                    seq_lens.len(),
+                    format!("must be B = {} (cu_seqlens_q has B+1 entries)", c.batch),
+                ));
             }
             if block_table.len() != c.batch * max_blocks {
-                return Err(Error::value("block_table.len()", block_table.len(), format!("must be B * max_blocks = {} * {max_blocks}", c.batch)));
+                return Err(Error::value(
+                    "block_table.len()",
+                    block_table.len(),
+                    format!("must be B * max_blocks = {} * {max_blocks}", c.batch),
+                ));
             }
             for (b, &len) in seq_lens.iter().enumerate() {
                 let len = to_usize("seq_lens", b, len)?;
@@ -324,7 +365,11 @@ pub fn validate<'a>(
                 for j in 0..need {
                     let blk = block_table[b * max_blocks + j];
                     if blk < 0 || blk as usize >= c.num_blocks {
-                        return Err(Error::value(format!("block_table[{b}][{j}]"), blk, format!("must be in 0..{} (num_blocks)", c.num_blocks)));
+                        return Err(Error::value(
+                            format!("block_table[{b}][{j}]"),
+                            blk,
+                            format!("must be in 0..{} (num_blocks)", c.num_blocks),
+                        ));
                     }
                 }
                 c.max_k = c.max_k.max(len);
@@ -354,10 +399,18 @@ pub fn validate<'a>(
 
     if let Some(o) = out {
         if o.shape() != qs {
-            return Err(Error::Shape { arg: "out", got: o.shape().to_vec(), expected: format!("{qs:?} (the shape of q)") });
+            return Err(Error::Shape {
+                arg: "out",
+                got: o.shape().to_vec(),
+                expected: format!("{qs:?} (the shape of q)"),
+            });
         }
         if o.dtype() != q.dtype() {
-            return Err(Error::DType { arg: "out", got: o.dtype(), expected: format!("{} (the dtype of q)", q.dtype()) });
+            return Err(Error::DType {
+                arg: "out",
+                got: o.dtype(),
+                expected: format!("{} (the dtype of q)", q.dtype()),
+            });
         }
         check_device("out", o, device, backend)?;
     }

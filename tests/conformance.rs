@@ -18,24 +18,18 @@ fn arb_params() -> impl Strategy<Value = Params> {
         prop::option::weighted(0.3, 1.0f32..30.0),
         prop::option::weighted(0.3, 0.05f32..0.5),
     )
-        .prop_map(
-            |(causal, window_left, window_right, softcap, scale)| Params {
-                causal,
-                window_left,
-                window_right,
-                softcap,
-                scale,
-            },
-        )
+        .prop_map(|(causal, window_left, window_right, softcap, scale)| Params {
+            causal,
+            window_left,
+            window_right,
+            softcap,
+            scale,
+        })
 }
 
 /// Random cases for a backend's declared head dims; `big` allows longer sequences.
 pub fn arb_case(head_dims: Vec<usize>, max_len: usize) -> impl Strategy<Value = Case> {
-    let layout = prop_oneof![
-        Just(LayoutKind::Dense),
-        Just(LayoutKind::Varlen),
-        Just(LayoutKind::Paged)
-    ];
+    let layout = prop_oneof![Just(LayoutKind::Dense), Just(LayoutKind::Varlen), Just(LayoutKind::Paged)];
     let dtype = prop_oneof![Just(DType::F32), Just(DType::F16), Just(DType::BF16)];
     (
         layout,
@@ -50,46 +44,21 @@ pub fn arb_case(head_dims: Vec<usize>, max_len: usize) -> impl Strategy<Value = 
         any::<bool>(),
         any::<u64>(),
     )
-        .prop_map(
-            |(layout, dtype, mut lens, hkv, group, d, params, alibi, block_size, lse, seed)| {
-                if layout == LayoutKind::Dense {
-                    let l0 = (lens[0].0.max(1), lens[0].1.max(1));
-                    lens.iter_mut().for_each(|l| *l = l0);
-                }
-                Case {
-                    layout,
-                    dtype,
-                    lens,
-                    hkv,
-                    group,
-                    d,
-                    params,
-                    alibi,
-                    block_size,
-                    lse,
-                    seed,
-                }
-            },
-        )
+        .prop_map(|(layout, dtype, mut lens, hkv, group, d, params, alibi, block_size, lse, seed)| {
+            if layout == LayoutKind::Dense {
+                let l0 = (lens[0].0.max(1), lens[0].1.max(1));
+                lens.iter_mut().for_each(|l| *l = l0);
+            }
+            Case { layout, dtype, lens, hkv, group, d, params, alibi, block_size, lse, seed }
+        })
 }
 
 pub fn head_dims_of(be: &dyn AttentionBackend) -> Vec<usize> {
-    HEAD_DIMS
-        .iter()
-        .copied()
-        .filter(|&d| be.capabilities().head_dims.contains(d))
-        .collect()
+    HEAD_DIMS.iter().copied().filter(|&d| be.capabilities().head_dims.contains(d)).collect()
 }
 
 /// A plain case for the fixed tests.
-pub fn case(
-    layout: LayoutKind,
-    dtype: DType,
-    lens: Vec<(usize, usize)>,
-    hkv: usize,
-    group: usize,
-    d: usize,
-) -> Case {
+pub fn case(layout: LayoutKind, dtype: DType, lens: Vec<(usize, usize)>, hkv: usize, group: usize, d: usize) -> Case {
     Case {
         layout,
         dtype,
@@ -363,17 +332,10 @@ macro_rules! conformance {
 
 #[test]
 fn report_backends() {
-    eprintln!(
-        "attnkit conformance: backends compiled in: {:?}",
-        attnkit::compiled()
-    );
+    eprintln!("attnkit conformance: backends compiled in: {:?}", attnkit::compiled());
     for name in attnkit::BACKENDS {
         match attnkit::by_name(name) {
-            Ok(b) => eprintln!(
-                "  {name}: RUNS on {} (head dims {})",
-                b.device(),
-                b.capabilities().head_dims
-            ),
+            Ok(b) => eprintln!("  {name}: RUNS on {} (head dims {})", b.device(), b.capabilities().head_dims),
             Err(e) => eprintln!("  {name}: NOT RUN: {e}"),
         }
     }

@@ -60,8 +60,12 @@ impl AttentionBackend for CpuBackend {
         match (q, k, v, o) {
             (HostData::F32(q), HostData::F32(k), HostData::F32(v), HostData::F32(o)) => kernel::run(c, q, k, v, o, lse),
             (HostData::F16(q), HostData::F16(k), HostData::F16(v), HostData::F16(o)) => kernel::run(c, q, k, v, o, lse),
-            (HostData::BF16(q), HostData::BF16(k), HostData::BF16(v), HostData::BF16(o)) => kernel::run(c, q, k, v, o, lse),
-            _ => return Err(Error::Backend { backend: "cpu", msg: "q, k, v and out must share one float dtype".into() }),
+            (HostData::BF16(q), HostData::BF16(k), HostData::BF16(v), HostData::BF16(o)) => {
+                kernel::run(c, q, k, v, o, lse)
+            }
+            _ => {
+                return Err(Error::Backend { backend: "cpu", msg: "q, k, v and out must share one float dtype".into() })
+            }
         }
         Ok(())
     }

@@ -15,10 +15,7 @@ pub fn backend(name: &str) -> Option<Box<dyn AttentionBackend>> {
         Err(Error::NotCompiled { .. }) => None,
         Err(e) => {
             let skip = std::env::var(SKIP_VAR).unwrap_or_default();
-            if skip
-                .split(',')
-                .any(|s| s.trim() == name || s.trim() == "all")
-            {
+            if skip.split(',').any(|s| s.trim() == name || s.trim() == "all") {
                 eprintln!("!!! SKIPPING backend `{name}` because {SKIP_VAR}={skip}: {e}");
                 None
             } else {
@@ -111,41 +108,22 @@ impl Case {
         let (q, k, v) = match self.layout {
             LayoutKind::Dense => {
                 let (sq, sk) = self.lens[0];
-                let q =
-                    Tensor::from_f64(&[b, sq, hq, d], self.dtype, &rng.vec(b * sq * hq * d, amp))
-                        .unwrap();
-                let k = Tensor::from_f64(
-                    &[b, sk, hkv, d],
-                    self.dtype,
-                    &rng.vec(b * sk * hkv * d, amp),
-                )
-                .unwrap();
-                let v = Tensor::from_f64(
-                    &[b, sk, hkv, d],
-                    self.dtype,
-                    &rng.vec(b * sk * hkv * d, 1.0),
-                )
-                .unwrap();
+                let q = Tensor::from_f64(&[b, sq, hq, d], self.dtype, &rng.vec(b * sq * hq * d, amp)).unwrap();
+                let k = Tensor::from_f64(&[b, sk, hkv, d], self.dtype, &rng.vec(b * sk * hkv * d, amp)).unwrap();
+                let v = Tensor::from_f64(&[b, sk, hkv, d], self.dtype, &rng.vec(b * sk * hkv * d, 1.0)).unwrap();
                 (q, k, v)
             }
             LayoutKind::Varlen => {
-                let (tq, tk) = (
-                    *cu_q.last().unwrap() as usize,
-                    *cu_k.last().unwrap() as usize,
-                );
-                let q =
-                    Tensor::from_f64(&[tq, hq, d], self.dtype, &rng.vec(tq * hq * d, amp)).unwrap();
-                let k = Tensor::from_f64(&[tk, hkv, d], self.dtype, &rng.vec(tk * hkv * d, amp))
-                    .unwrap();
-                let v = Tensor::from_f64(&[tk, hkv, d], self.dtype, &rng.vec(tk * hkv * d, 1.0))
-                    .unwrap();
+                let (tq, tk) = (*cu_q.last().unwrap() as usize, *cu_k.last().unwrap() as usize);
+                let q = Tensor::from_f64(&[tq, hq, d], self.dtype, &rng.vec(tq * hq * d, amp)).unwrap();
+                let k = Tensor::from_f64(&[tk, hkv, d], self.dtype, &rng.vec(tk * hkv * d, amp)).unwrap();
+                let v = Tensor::from_f64(&[tk, hkv, d], self.dtype, &rng.vec(tk * hkv * d, 1.0)).unwrap();
                 (q, k, v)
             }
             LayoutKind::Paged => {
                 let bs = self.block_size;
                 let tq = *cu_q.last().unwrap() as usize;
-                let q =
-                    Tensor::from_f64(&[tq, hq, d], self.dtype, &rng.vec(tq * hq * d, amp)).unwrap();
+                let q = Tensor::from_f64(&[tq, hq, d], self.dtype, &rng.vec(tq * hq * d, amp)).unwrap();
                 let need: Vec<usize> = self.lens.iter().map(|l| l.1.div_ceil(bs)).collect();
                 max_blocks = need.iter().copied().max().unwrap_or(0) + 1;
                 let used: usize = need.iter().sum();
@@ -175,11 +153,8 @@ impl Case {
                     }
                     // Unused table entries point anywhere, in range or not.
                     for blk in need[s]..max_blocks {
-                        block_table[s * max_blocks + blk] = if rng.below(2) == 0 {
-                            -7
-                        } else {
-                            perm[rng.below(num_blocks)] as i32
-                        };
+                        block_table[s * max_blocks + blk] =
+                            if rng.below(2) == 0 { -7 } else { perm[rng.below(num_blocks)] as i32 };
                     }
                 }
                 let k = Tensor::from_f64(&[num_blocks, bs, hkv, d], self.dtype, &kc).unwrap();
@@ -187,41 +162,19 @@ impl Case {
                 (q, k, v)
             }
         };
-        Built {
-            q,
-            k,
-            v,
-            cu_q,
-            cu_k,
-            block_table,
-            max_blocks,
-            seq_lens,
-            slopes,
-        }
+        Built { q, k, v, cu_q, cu_k, block_table, max_blocks, seq_lens, slopes }
     }
 }
 
 impl Built {
     /// The call over these tensors (which may be the uploaded copies).
-    pub fn call<'a>(
-        &'a self,
-        case: &Case,
-        q: &'a Tensor,
-        k: &'a Tensor,
-        v: &'a Tensor,
-    ) -> AttnCall<'a> {
+    pub fn call<'a>(&'a self, case: &Case, q: &'a Tensor, k: &'a Tensor, v: &'a Tensor) -> AttnCall<'a> {
         let mut c = match case.layout {
             LayoutKind::Dense => AttnCall::dense(q, k, v),
             LayoutKind::Varlen => AttnCall::varlen(q, k, v, &self.cu_q, &self.cu_k),
-            LayoutKind::Paged => AttnCall::paged(
-                q,
-                k,
-                v,
-                &self.cu_q,
-                &self.block_table,
-                self.max_blocks,
-                &self.seq_lens,
-            ),
+            LayoutKind::Paged => {
+                AttnCall::paged(q, k, v, &self.cu_q, &self.block_table, self.max_blocks, &self.seq_lens)
+            }
         };
         c.params = case.params;
         c.alibi_slopes = if case.alibi { Some(&self.slopes) } else { None };
@@ -241,22 +194,12 @@ pub fn tol(dtype: DType) -> (f64, f64) {
 }
 
 /// `Err` with index, both values, difference and tolerance for the first element out of tolerance.
-pub fn check_close(
-    what: &str,
-    got: &[f64],
-    want: &[f64],
-    atol: f64,
-    rtol: f64,
-) -> Result<(), String> {
+pub fn check_close(what: &str, got: &[f64], want: &[f64], atol: f64, rtol: f64) -> Result<(), String> {
     if got.len() != want.len() {
         return Err(format!("{what}: length {} != {}", got.len(), want.len()));
     }
     for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
-        let ok = if w.is_infinite() {
-            g == w
-        } else {
-            (g - w).abs() <= atol + rtol * w.abs()
-        };
+        let ok = if w.is_infinite() { g == w } else { (g - w).abs() <= atol + rtol * w.abs() };
         if !ok {
             return Err(format!(
                 "{what}[{i}]: got {g}, want {w}, |diff| {} > tol {} (atol {atol}, rtol {rtol})",
@@ -276,16 +219,10 @@ pub struct Result2 {
 
 /// Run a case on a backend, uploading inputs and downloading outputs.
 pub fn run_on(be: &dyn AttentionBackend, case: &Case, built: &Built) -> Result<Result2, Error> {
-    let (q, k, v) = (
-        be.upload(&built.q)?,
-        be.upload(&built.k)?,
-        be.upload(&built.v)?,
-    );
+    let (q, k, v) = (be.upload(&built.q)?, be.upload(&built.k)?, be.upload(&built.v)?);
     let call = built.call(case, &q, &k, &v);
     let o = be.forward(&call, None, None)?;
-    let out = be
-        .download(o.out.as_ref().expect("out allocated"))?
-        .to_f64_vec()?;
+    let out = be.download(o.out.as_ref().expect("out allocated"))?.to_f64_vec()?;
     let lse = match o.lse {
         Some(l) => Some(be.download(&l)?.to_f64_vec()?),
         None => None,
@@ -296,8 +233,7 @@ pub fn run_on(be: &dyn AttentionBackend, case: &Case, built: &Built) -> Result<R
 /// The reference result of a case.
 pub fn reference(case: &Case, built: &Built) -> (Vec<f64>, Vec<f64>) {
     let call = built.call(case, &built.q, &built.k, &built.v);
-    let c = attnkit::validate(&call, attnkit::Device::Host, "reference", None, None)
-        .expect("valid case");
+    let c = attnkit::validate(&call, attnkit::Device::Host, "reference", None, None).expect("valid case");
     attnkit::reference::attention_f64(&c).expect("reference")
 }
 
@@ -310,8 +246,7 @@ pub fn check_against_reference(be: &dyn AttentionBackend, case: &Case) -> Result
     check_close("out", &got.out, &want, atol, rtol).map_err(|e| format!("{e}\ncase {case:?}"))?;
     if case.lse {
         let lse = got.lse.ok_or("lse missing")?;
-        check_close("lse", &lse, &want_lse, 1e-3, 1e-4)
-            .map_err(|e| format!("{e}\ncase {case:?}"))?;
+        check_close("lse", &lse, &want_lse, 1e-3, 1e-4).map_err(|e| format!("{e}\ncase {case:?}"))?;
     }
     if got.out.iter().any(|x| x.is_nan()) {
         return Err(format!("NaN in out\ncase {case:?}"));
@@ -327,9 +262,5 @@ pub fn sentinel(shape: &[usize], dtype: DType) -> Tensor {
 
 /// Host bytes, for bitwise comparisons.
 pub fn bytes(be: &dyn AttentionBackend, t: &Tensor) -> Vec<u8> {
-    be.download(t)
-        .unwrap()
-        .host()
-        .map(HostData::to_le_bytes)
-        .unwrap()
+    be.download(t).unwrap().host().map(HostData::to_le_bytes).unwrap()
 }
