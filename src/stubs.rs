@@ -1,6 +1,7 @@
 //! Backends whose feature is off: the same names, uninhabited types, and constructors that say
 //! which feature to turn on. No `unimplemented!()` anywhere.
 
+#[allow(unused_macros)]
 macro_rules! stub_backend {
     ($module:ident, $ty:ident, $name:literal, $feature:literal) => {
         #[doc = concat!("The `", $name, "` backend was not compiled in (cargo feature `", $feature, "`).")]

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Build attnkit's test and bench binaries here (no CUDA toolkit needed: cudarc loads the driver and
+# NVRTC at run time) and pack them into bundle/, a self-contained folder that runs on any Linux
+# x86-64 machine with an NVIDIA driver and/or Vulkan:
+#
+#   FEATURES=cuda,wgpu,cli scripts/gpu-bundle.sh      # build and pack
+#   bash bundle/run.sh tests [filter]                 # there: the conformance suite and every test binary
+#   bash bundle/run.sh bench [attnkit bench args]     # there: attnkit bench
+#   bash bundle/run.sh anchor [torch_anchor args]     # there: the PyTorch SDPA peer (needs torch)
+#   bash bundle/run.sh sanitize [filter]              # there: compute-sanitizer memcheck + racecheck over the suite
+set -euo pipefail
+cd "$(dirname "$0")/.."
+FEATURES=${FEATURES:-cuda,wgpu,cli}
+rm -rf bundle
+mkdir -p bundle/bin
+# Test binaries (one per tests/*.rs and the lib's unit tests), paths read from cargo's JSON messages.
+cargo test --no-run --features "$FEATURES" --message-format=json 2>/dev/null |
+  python3 -c '
+import json, sys, shutil, os
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except Exception: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        name = m["target"]["name"] + ("-unit" if m["target"]["kind"] == ["lib"] else "")
+        shutil.copy(m["executable"], os.path.join("bundle/bin", name))
+        print("bundled test", name)
+'
+if [[ ",$FEATURES," == *",cli,"* ]]; then
+  cargo build --release --features "$FEATURES" --bin attnkit
+  cp target/release/attnkit bundle/bin/attnkit
+  echo "bundled attnkit (release)"
+fi
+# The peer benchmark, if the shared folder is beside the checkout.
+for p in ../shared/gpu/torch_anchor.py shared/gpu/torch_anchor.py; do
+  [[ -f $p ]] && cp "$p" bundle/torch_anchor.py && break
+done
+cp scripts/bundle-run.sh bundle/run.sh
+git rev-parse --short HEAD > bundle/COMMIT 2>/dev/null || true
+du -sh bundle
