@@ -5,6 +5,9 @@
 //! buffers that grow on first use and are reused after.
 
 mod kernel;
+mod peak;
+
+pub use peak::fma_peak_gflops;
 
 use crate::backend::{host_memory_impl, AttentionBackend};
 use crate::call::{Capabilities, HeadDims};
