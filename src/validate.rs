@@ -345,7 +345,7 @@ pub fn validate<'a>(
                     format!("must be B = {} (cu_seqlens_q has B+1 entries)", c.batch),
                 ));
             }
-            if block_table.len() != c.batch * max_blocks {
+            if Some(block_table.len()) != c.batch.checked_mul(max_blocks) {
                 return Err(Error::value(
                     "block_table.len()",
                     block_table.len(),
@@ -433,4 +433,69 @@ pub fn validate<'a>(
         check_device("lse", l, device, backend)?;
     }
     Ok(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reference::visible;
+    use crate::types::Tensor;
+
+    #[test]
+    fn key_range_is_the_visible_set() {
+        for sq in 0..7 {
+            for sk in 0..9 {
+                for causal in [false, true] {
+                    for wl in [None, Some(0), Some(2)] {
+                        for wr in [None, Some(0), Some(3)] {
+                            let p = Params { causal, window_left: wl, window_right: wr, ..Params::default() };
+                            for i in 0..sq {
+                                let (lo, hi) = key_range(i, sq, sk, &p);
+                                for j in 0..sk {
+                                    assert_eq!(
+                                        (lo..hi).contains(&j),
+                                        visible(i, j, sq, sk, &p),
+                                        "{sq} {sk} {p:?} i={i} j={j}"
+                                    );
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    fn t(shape: &[usize]) -> Tensor {
+        Tensor::zeros(shape, DType::F16)
+    }
+
+    fn err(call: &AttnCall<'_>) -> String {
+        validate(call, Device::Host, "test", None, None).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn errors_name_the_argument_and_value() {
+        let (q, k) = (t(&[5, 4, 8]), t(&[9, 2, 8]));
+        assert!(err(&AttnCall::varlen(&q, &k, &k, &[0, 3, 2, 5], &[0, 4, 5, 9])).contains("`cu_seqlens_q[2]` = 2"));
+        assert!(err(&AttnCall::varlen(&q, &k, &k, &[0, 5], &[0, 8])).contains("`cu_seqlens_k[1]` = 8"));
+        let k3 = t(&[9, 3, 8]);
+        assert!(err(&AttnCall::varlen(&q, &k3, &k3, &[0, 5], &[0, 9])).contains("Hkv"));
+        let kc = t(&[4, 16, 2, 8]);
+        let e = err(&AttnCall::paged(&q, &kc, &kc, &[0, 5], &[0, 4], 2, &[20]));
+        assert!(e.contains("`block_table[0][1]` = 4"), "{e}");
+        let e = err(&AttnCall::paged(&q, &kc, &kc, &[0, 5], &[0, 1], 2, &[33]));
+        assert!(e.contains("`seq_lens[0]` = 33"), "{e}");
+        let e = err(&AttnCall::paged(&q, &kc, &kc, &[0, 5], &[0, 1], usize::MAX, &[3]));
+        assert!(e.contains("block_table.len()"), "{e}");
+        let q4 = t(&[1, 5, 4, 8]);
+        let k4 = Tensor::zeros(&[1, 5, 2, 8], DType::F32);
+        assert!(err(&AttnCall::dense(&q4, &k4, &k4)).contains("`k` has dtype f32"));
+        let k4 = t(&[1, 5, 2, 8]);
+        assert!(err(&AttnCall::dense(&q4, &k4, &k4).softcap(Some(-1.0))).contains("`softcap` = -1"));
+        let out = t(&[1, 5, 4, 4]);
+        let call = AttnCall::dense(&q4, &k4, &k4);
+        let e = validate(&call, Device::Host, "test", Some(&out), None).unwrap_err().to_string();
+        assert!(e.contains("`out` has shape [1, 5, 4, 4]"), "{e}");
+    }
 }
