@@ -79,7 +79,7 @@ macro_rules! conformance {
         mod $module {
             use super::*;
 
-            fn be() -> Option<Box<dyn AttentionBackend>> {
+            fn be() -> Option<std::sync::Arc<dyn AttentionBackend>> {
                 backend($name)
             }
 

@@ -2,16 +2,29 @@
 //! acquisition that fails (not skips) when a compiled-in backend finds no device.
 #![allow(dead_code)]
 
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
 use attnkit::{AttentionBackend, AttnCall, DType, Error, HostData, LayoutKind, Params, Tensor};
 
 /// Environment variable listing backends to skip when they find no device (`wgpu,cuda`).
 pub const SKIP_VAR: &str = "ATTNKIT_SKIP";
 
 /// The backend `name`, or `None` if it is not compiled in, or compiled in without a device while
-/// `ATTNKIT_SKIP` names it. Compiled in, no device, not named: the test fails.
-pub fn backend(name: &str) -> Option<Box<dyn AttentionBackend>> {
+/// `ATTNKIT_SKIP` names it. Compiled in, no device, not named: the test fails. One instance per
+/// name per test binary (device backends compile kernels and open contexts once).
+pub fn backend(name: &str) -> Option<Arc<dyn AttentionBackend>> {
+    static CACHE: OnceLock<Mutex<HashMap<String, Arc<dyn AttentionBackend>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(b) = cache.lock().unwrap().get(name) {
+        return Some(b.clone());
+    }
     match attnkit::by_name(name) {
-        Ok(b) => Some(b),
+        Ok(b) => {
+            let b: Arc<dyn AttentionBackend> = Arc::from(b);
+            cache.lock().unwrap().insert(name.to_string(), b.clone());
+            Some(b)
+        }
         Err(Error::NotCompiled { .. }) => None,
         Err(e) => {
             let skip = std::env::var(SKIP_VAR).unwrap_or_default();
