@@ -1,14 +1,46 @@
-//! `wgpu` backend (placeholder until its kernels land).
+//! `wgpu`: tiled flash attention in WGSL, on any GPU wgpu reaches (Vulkan, Metal, DX12; Mesa's
+//! lavapipe in CI).
+//!
+//! - One kernel family (`shaders/flash_attn.wgsl`), specialised per (dtype, head dim, tile) and
+//!   compiled once per configuration; a split-KV variant for short-query, long-key calls merged by
+//!   `shaders/combine.wgsl`.
+//! - Every dtype is stored as 32-bit words: f32 as is, f16 and bf16 two to a word, unpacked to f32
+//!   in registers (`unpack2x16float`, a shift for bf16), so the kernel needs no optional feature.
+//! - Arithmetic is f32; no subgroup operations, so nothing depends on the subgroup size.
+//! - With caller buffers `forward` allocates no device memory once warm: the metadata buffer and the
+//!   split-KV scratch grow only when a call needs more, and bind groups are cached per buffer set.
+//!
+//! [`WgpuBackend::new`] opens (once per process) the adapter wgpu prefers for high performance;
+//! [`WgpuBackend::from_device`] runs on a caller's device and queue, so a model shares them.
+
+mod kernel;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::backend::AttentionBackend;
-use crate::call::Capabilities;
+use crate::call::{Capabilities, HeadDims, LayoutKind};
 use crate::error::{Error, Result};
-use crate::types::{DType, Device, Tensor};
+use crate::types::{DType, Device, HostData, Storage, Tensor};
 use crate::validate::Checked;
 
-/// Device memory of the `wgpu` backend.
-#[derive(Debug)]
+const NAME: &str = "wgpu";
+
+/// Largest head dim the kernel is built for (when the device's workgroup memory allows it).
+pub const MAX_HEAD_DIM: usize = 256;
+
+static NEXT_ID: AtomicU64 = AtomicU64::new(1);
+
+fn backend_err(msg: impl Into<String>) -> Error {
+    Error::Backend { backend: NAME, msg: msg.into() }
+}
+
+/// Device memory of the `wgpu` backend: one storage buffer, its size rounded up to whole 32-bit
+/// words (at least one).
+#[derive(Debug, Clone)]
 pub struct WgpuStorage {
+    buffer: ::wgpu::Buffer,
     device: Device,
 }
 
@@ -17,44 +49,291 @@ impl WgpuStorage {
     pub fn device(&self) -> Device {
         self.device
     }
+    /// The buffer (usage `STORAGE | COPY_SRC | COPY_DST`), to hand to a model's own passes.
+    pub fn buffer(&self) -> &::wgpu::Buffer {
+        &self.buffer
+    }
+}
+
+/// Bytes of a buffer holding `n` elements of `dtype`: whole words, at least one.
+fn buffer_bytes(n: usize, dtype: DType) -> u64 {
+    ((n * dtype.size()).div_ceil(4).max(1) * 4) as u64
+}
+
+/// What is shared by every backend instance on one wgpu device.
+pub(crate) struct Ctx {
+    id: u64,
+    pub(crate) device: ::wgpu::Device,
+    pub(crate) queue: ::wgpu::Queue,
+    adapter_name: String,
+    pub(crate) limits: ::wgpu::Limits,
+    pub(crate) state: Mutex<kernel::State>,
+}
+
+impl std::fmt::Debug for Ctx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Ctx").field("id", &self.id).field("adapter", &self.adapter_name).finish()
+    }
+}
+
+impl Ctx {
+    fn new(device: ::wgpu::Device, queue: ::wgpu::Queue, adapter_name: String) -> Ctx {
+        let limits = device.limits();
+        let state = Mutex::new(kernel::State::new(&device));
+        Ctx { id: NEXT_ID.fetch_add(1, Ordering::Relaxed), device, queue, adapter_name, limits, state }
+    }
+
+    /// Run `f` inside validation and out-of-memory error scopes; a captured error becomes `Err`.
+    pub(crate) fn scoped<T>(&self, what: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+        let oom = self.device.push_error_scope(::wgpu::ErrorFilter::OutOfMemory);
+        let val = self.device.push_error_scope(::wgpu::ErrorFilter::Validation);
+        let r = f();
+        let e_val = pollster::block_on(val.pop());
+        let e_oom = pollster::block_on(oom.pop());
+        if let Some(e) = e_val.or(e_oom) {
+            return Err(backend_err(format!("{what}: {e}")));
+        }
+        r
+    }
+
+    fn wait(&self) -> Result<()> {
+        self.device
+            .poll(::wgpu::PollType::wait_indefinitely())
+            .map(|_| ())
+            .map_err(|e| backend_err(format!("waiting for the device: {e}")))
+    }
+}
+
+/// The process-wide default context, opened on first use. An adapter that fails is retried on
+/// the next call, so a transient failure is not remembered.
+fn default_ctx() -> Result<Arc<Ctx>> {
+    static CTX: OnceLock<Mutex<Option<Arc<Ctx>>>> = OnceLock::new();
+    let cell = CTX.get_or_init(|| Mutex::new(None));
+    let mut slot = cell.lock().map_err(|_| backend_err("context lock poisoned"))?;
+    if let Some(c) = slot.as_ref() {
+        return Ok(c.clone());
+    }
+    let ctx = Arc::new(open_default()?);
+    *slot = Some(ctx.clone());
+    Ok(ctx)
+}
+
+fn open_default() -> Result<Ctx> {
+    let no_device = |msg: String| Error::NoDevice { backend: NAME, msg };
+    let instance = std::panic::catch_unwind(|| {
+        ::wgpu::Instance::new(::wgpu::InstanceDescriptor::new_without_display_handle_from_env())
+    })
+    .map_err(|_| no_device("wgpu could not create an instance".into()))?;
+    let opts = ::wgpu::RequestAdapterOptions {
+        power_preference: ::wgpu::PowerPreference::HighPerformance,
+        ..Default::default()
+    };
+    let adapter = pollster::block_on(instance.request_adapter(&opts))
+        .map_err(|e| no_device(format!("no adapter: {e} (is a Vulkan/Metal/DX12 driver installed?)")))?;
+    let info = adapter.get_info();
+    let desc = ::wgpu::DeviceDescriptor {
+        label: Some("attnkit"),
+        required_features: ::wgpu::Features::empty(),
+        // Everything the adapter offers: larger workgroup memory means larger tiles and head dims.
+        required_limits: adapter.limits(),
+        ..Default::default()
+    };
+    let (device, queue) = pollster::block_on(adapter.request_device(&desc))
+        .map_err(|e| no_device(format!("adapter {} would not open a device: {e}", info.name)))?;
+    // Our own device: errors are caught by scopes around each operation, never by a panic.
+    device.on_uncaptured_error(Arc::new(|e| eprintln!("attnkit wgpu: uncaptured device error: {e}")));
+    Ok(Ctx::new(device, queue, format!("{} ({:?})", info.name, info.backend)))
 }
 
 /// The `wgpu` backend.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct WgpuBackend {
+    ctx: Arc<Ctx>,
     caps: Capabilities,
+    kv_splits: Option<usize>,
 }
 
 impl WgpuBackend {
-    /// Not yet available.
+    /// The backend on the process-wide default device (the adapter wgpu prefers for high
+    /// performance, honouring `WGPU_BACKEND`). [`Error::NoDevice`] when there is none.
     pub fn new() -> Result<Self> {
-        Err(Error::NoDevice { backend: "wgpu", msg: "the wgpu backend is not implemented yet".into() })
+        Ok(Self::with_ctx(default_ctx()?))
     }
+
+    /// The backend on a caller's device and queue (a model that already has them shares them).
+    /// Each call makes a new backend [`Device`] id: tensors of one such backend are not accepted
+    /// by another, even over the same `wgpu::Device`.
+    pub fn from_device(device: ::wgpu::Device, queue: ::wgpu::Queue) -> Self {
+        Self::with_ctx(Arc::new(Ctx::new(device, queue, "caller device".into())))
+    }
+
+    fn with_ctx(ctx: Arc<Ctx>) -> Self {
+        let max_d = kernel::max_head_dim(ctx.limits.max_compute_workgroup_storage_size);
+        let caps = Capabilities::full(HeadDims::MultipleOf { step: 4, max: max_d });
+        WgpuBackend { ctx, caps, kv_splits: None }
+    }
+
+    /// Force the number of key/value splits (`Some(1)` turns split-KV off, `None` lets the backend
+    /// choose from the problem's shape). For tests and tuning.
+    pub fn set_kv_splits(&mut self, splits: Option<usize>) {
+        self.kv_splits = splits.map(|s| s.clamp(1, kernel::MAX_SPLITS));
+    }
+
+    /// The wgpu device.
+    pub fn wgpu_device(&self) -> &::wgpu::Device {
+        &self.ctx.device
+    }
+
+    /// The wgpu queue.
+    pub fn wgpu_queue(&self) -> &::wgpu::Queue {
+        &self.ctx.queue
+    }
+
+    /// The adapter's name and graphics API.
+    pub fn adapter_name(&self) -> &str {
+        &self.ctx.adapter_name
+    }
+
+    /// Wrap a caller's buffer as a tensor of this backend. The buffer needs usage `STORAGE` (and
+    /// `COPY_SRC`/`COPY_DST` for download/write) and at least `shape.product() * dtype.size()` bytes
+    /// rounded up to a multiple of 4.
+    pub fn tensor_from_buffer(&self, buffer: ::wgpu::Buffer, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        let need = buffer_bytes(shape.iter().product(), dtype);
+        if buffer.size() < need {
+            return Err(Error::value(
+                "buffer.size()",
+                buffer.size(),
+                format!("needs {need} bytes for {shape:?} {dtype}"),
+            ));
+        }
+        if !buffer.usage().contains(::wgpu::BufferUsages::STORAGE) {
+            return Err(Error::value("buffer.usage()", format!("{:?}", buffer.usage()), "needs STORAGE"));
+        }
+        Ok(Tensor::from_storage(shape, dtype, Storage::Wgpu(WgpuStorage { buffer, device: self.device() })))
+    }
+
+    fn storage<'t>(&self, arg: &'static str, t: &'t Tensor) -> Result<&'t WgpuStorage> {
+        match t.storage() {
+            Storage::Wgpu(s) if s.device == self.device() => Ok(s),
+            _ => Err(Error::Device { arg, got: t.device(), expected: self.device(), backend: NAME }),
+        }
+    }
+
+    fn new_buffer(&self, bytes: u64) -> Result<::wgpu::Buffer> {
+        if bytes > self.ctx.limits.max_buffer_size {
+            return Err(backend_err(format!(
+                "a buffer of {bytes} bytes exceeds the device's max_buffer_size {}",
+                self.ctx.limits.max_buffer_size
+            )));
+        }
+        self.ctx.scoped("allocating a buffer", || {
+            Ok(self.ctx.device.create_buffer(&::wgpu::BufferDescriptor {
+                label: Some("attnkit tensor"),
+                size: bytes,
+                usage: ::wgpu::BufferUsages::STORAGE | ::wgpu::BufferUsages::COPY_SRC | ::wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            }))
+        })
+    }
+}
+
+/// Host bytes of a host tensor, padded to whole words.
+fn padded_bytes(h: &HostData) -> Vec<u8> {
+    let mut b = h.to_le_bytes();
+    let n = b.len().div_ceil(4).max(1) * 4;
+    b.resize(n, 0);
+    b
 }
 
 impl AttentionBackend for WgpuBackend {
     fn name(&self) -> &'static str {
-        "wgpu"
+        NAME
     }
     fn device(&self) -> Device {
-        Device::Host
+        Device::Wgpu(self.ctx.id)
     }
     fn capabilities(&self) -> &Capabilities {
         &self.caps
     }
-    fn alloc(&self, _: &[usize], _: DType) -> Result<Tensor> {
-        Err(Error::NoDevice { backend: "wgpu", msg: "not implemented".into() })
+    fn alloc(&self, shape: &[usize], dtype: DType) -> Result<Tensor> {
+        // wgpu zero-initialises new buffers.
+        let buffer = self.new_buffer(buffer_bytes(shape.iter().product(), dtype))?;
+        Ok(Tensor::from_storage(shape, dtype, Storage::Wgpu(WgpuStorage { buffer, device: self.device() })))
     }
-    fn upload(&self, _: &Tensor) -> Result<Tensor> {
-        Err(Error::NoDevice { backend: "wgpu", msg: "not implemented".into() })
+    fn upload(&self, t: &Tensor) -> Result<Tensor> {
+        let h = t.host().ok_or(Error::Device { arg: "t", got: t.device(), expected: Device::Host, backend: NAME })?;
+        let bytes = padded_bytes(h);
+        let buffer = self.new_buffer(bytes.len() as u64)?;
+        self.ctx.scoped("uploading", || {
+            self.ctx.queue.write_buffer(&buffer, 0, &bytes);
+            Ok(())
+        })?;
+        Ok(Tensor::from_storage(t.shape(), t.dtype(), Storage::Wgpu(WgpuStorage { buffer, device: self.device() })))
     }
-    fn download(&self, _: &Tensor) -> Result<Tensor> {
-        Err(Error::NoDevice { backend: "wgpu", msg: "not implemented".into() })
+    fn download(&self, t: &Tensor) -> Result<Tensor> {
+        let s = self.storage("t", t)?;
+        let n = t.elem_count() * t.dtype().size();
+        let size = buffer_bytes(t.elem_count(), t.dtype());
+        let ctx = &self.ctx;
+        let bytes = ctx.scoped("downloading", || {
+            let staging = ctx.device.create_buffer(&::wgpu::BufferDescriptor {
+                label: Some("attnkit download"),
+                size,
+                usage: ::wgpu::BufferUsages::MAP_READ | ::wgpu::BufferUsages::COPY_DST,
+                mapped_at_creation: false,
+            });
+            let mut enc = ctx.device.create_command_encoder(&Default::default());
+            enc.copy_buffer_to_buffer(&s.buffer, 0, &staging, 0, size);
+            ctx.queue.submit([enc.finish()]);
+            let (tx, rx) = std::sync::mpsc::channel();
+            staging.map_async(::wgpu::MapMode::Read, .., move |r| {
+                let _ = tx.send(r);
+            });
+            ctx.wait()?;
+            rx.recv()
+                .map_err(|_| backend_err("the map callback never ran"))?
+                .map_err(|e| backend_err(format!("mapping for download: {e}")))?;
+            let view = staging.get_mapped_range(..).map_err(|e| backend_err(format!("{e:?}")))?;
+            let out = view[..n].to_vec();
+            drop(view);
+            staging.unmap();
+            Ok(out)
+        })?;
+        let h = HostData::from_le_bytes(t.dtype(), &bytes).ok_or_else(|| backend_err("downloaded bytes"))?;
+        Tensor::from_host(t.shape(), h)
     }
-    fn write(&self, _: &mut Tensor, _: &Tensor) -> Result<()> {
-        Err(Error::NoDevice { backend: "wgpu", msg: "not implemented".into() })
+    fn write(&self, dst: &mut Tensor, src: &Tensor) -> Result<()> {
+        if dst.shape() != src.shape() || dst.dtype() != src.dtype() {
+            return Err(Error::Shape {
+                arg: "dst",
+                got: dst.shape().to_vec(),
+                expected: format!("{:?} {} (the source)", src.shape(), src.dtype()),
+            });
+        }
+        let h =
+            src.host().ok_or(Error::Device { arg: "src", got: src.device(), expected: Device::Host, backend: NAME })?;
+        let s = self.storage("dst", dst)?;
+        let bytes = padded_bytes(h);
+        self.ctx.scoped("writing", || {
+            self.ctx.queue.write_buffer(&s.buffer, 0, &bytes);
+            Ok(())
+        })
     }
-    fn forward_into(&self, _: &Checked<'_>, _: &mut Tensor, _: Option<&mut Tensor>) -> Result<()> {
-        Err(Error::NoDevice { backend: "wgpu", msg: "not implemented".into() })
+    fn synchronize(&self) -> Result<()> {
+        self.ctx.wait()
+    }
+    fn forward_into(&self, c: &Checked<'_>, out: &mut Tensor, lse: Option<&mut Tensor>) -> Result<()> {
+        let q = self.storage("q", c.call.q)?;
+        let k = self.storage(if c.kind == LayoutKind::Paged { "k_cache" } else { "k" }, c.call.k)?;
+        let v = self.storage(if c.kind == LayoutKind::Paged { "v_cache" } else { "v" }, c.call.v)?;
+        let o = self.storage("out", out)?;
+        let l = match lse.as_deref() {
+            Some(t) => Some(self.storage("lse", t)?),
+            None => None,
+        };
+        kernel::forward(&self.ctx, c, q, k, v, o, l, self.kv_splits)
     }
 }
+
+/// Pipelines cached per configuration, with the key they were built for.
+pub(crate) type PipelineCache = HashMap<kernel::PipeKey, ::wgpu::ComputePipeline>;

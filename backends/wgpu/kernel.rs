@@ -1,0 +1,414 @@
+//! Kernel traits (tile shapes per head dim and device), the metadata buffer, pipeline and bind
+//! group caches, and the one launch site.
+
+use std::collections::HashMap;
+
+use super::{backend_err, Ctx, PipelineCache, WgpuStorage};
+use crate::call::Layout;
+use crate::error::Result;
+use crate::types::DType;
+use crate::validate::Checked;
+
+const FLASH_SRC: &str = include_str!("../../shaders/flash_attn.wgsl");
+const COMBINE_SRC: &str = include_str!("../../shaders/combine.wgsl");
+
+/// Rows (query, head-of-group pairs) per workgroup.
+const BQ: usize = 16;
+/// Key tiles tried, largest first; the largest that fits the workgroup memory is used.
+const BK_CHOICES: [usize; 4] = [32, 16, 8, 4];
+/// Threads per workgroup of the combine pass.
+const COMBINE_WG: usize = 64;
+/// Most key/value splits of one call.
+pub(crate) const MAX_SPLITS: usize = 64;
+/// Workgroups the split heuristic aims for (a few per multiprocessor of a large GPU).
+const TARGET_WORKGROUPS: usize = 1024;
+/// Fewest keys a split should own.
+const MIN_KEYS_PER_SPLIT: usize = 128;
+/// Header words of the metadata buffer (see the `M_*` constants of the shaders).
+const HEADER: usize = 24;
+
+/// Workgroup memory of the flash kernel for head dim `d` and key tile `bk`, in bytes.
+fn wg_bytes(d: usize, bk: usize) -> usize {
+    (BQ * d + 2 * bk * d + BQ * bk) * 4
+}
+
+/// The key tile for head dim `d` under `limit` bytes of workgroup memory.
+fn pick_bk(d: usize, limit: u32) -> Option<usize> {
+    BK_CHOICES.into_iter().find(|&bk| wg_bytes(d, bk) <= limit as usize)
+}
+
+/// The largest head dim (a multiple of 4, at most [`super::MAX_HEAD_DIM`]) that fits `limit`.
+pub(crate) fn max_head_dim(limit: u32) -> usize {
+    (1..=super::MAX_HEAD_DIM / 4).rev().map(|n| n * 4).find(|&d| pick_bk(d, limit).is_some()).unwrap_or(4)
+}
+
+fn dtype_code(d: DType) -> u32 {
+    match d {
+        DType::F16 => 1,
+        DType::BF16 => 2,
+        _ => 0,
+    }
+}
+
+/// Which compiled kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum PipeKey {
+    /// The flash kernel for (dtype code, head dim, key tile).
+    Flash(u32, usize, usize),
+    /// The split-KV combine pass for (dtype code, head dim).
+    Combine(u32, usize),
+}
+
+/// Replace the value of each `const NAME: u32 = ...; // @spec` line.
+pub(crate) fn specialize(src: &str, values: &[(&str, usize)]) -> String {
+    let mut out = String::with_capacity(src.len() + 64);
+    for line in src.lines() {
+        let hit =
+            values.iter().find(|(name, _)| line.starts_with(&format!("const {name}: u32 =")) && line.contains("@spec"));
+        match hit {
+            Some((name, v)) => out.push_str(&format!("const {name}: u32 = {v}u; // @spec")),
+            None => out.push_str(line),
+        }
+        out.push('\n');
+    }
+    out
+}
+
+/// A device buffer that grows (never shrinks) to the largest size asked of it.
+struct Growable {
+    buffer: ::wgpu::Buffer,
+    label: &'static str,
+    usage: ::wgpu::BufferUsages,
+}
+
+impl Growable {
+    fn new(device: &::wgpu::Device, label: &'static str, usage: ::wgpu::BufferUsages) -> Self {
+        let buffer = device.create_buffer(&::wgpu::BufferDescriptor {
+            label: Some(label),
+            size: 16,
+            usage,
+            mapped_at_creation: false,
+        });
+        Growable { buffer, label, usage }
+    }
+    /// Make room for `bytes`; true when the buffer was replaced.
+    fn fit(&mut self, device: &::wgpu::Device, bytes: u64) -> bool {
+        if self.buffer.size() >= bytes {
+            return false;
+        }
+        let size = bytes.next_power_of_two().max(16);
+        self.buffer = device.create_buffer(&::wgpu::BufferDescriptor {
+            label: Some(self.label),
+            size,
+            usage: self.usage,
+            mapped_at_creation: false,
+        });
+        true
+    }
+}
+
+/// Per-device state: pipelines, reusable buffers, cached bind groups, host scratch.
+pub(crate) struct State {
+    pipelines: PipelineCache,
+    meta: Growable,
+    part_o: Growable,
+    part_lse: Growable,
+    dummy_lse: ::wgpu::Buffer,
+    bind_groups: HashMap<(PipeKey, [Option<::wgpu::Buffer>; 5]), ::wgpu::BindGroup>,
+    words: Vec<u32>,
+}
+
+const BIND_GROUP_CACHE: usize = 64;
+
+impl State {
+    pub(crate) fn new(device: &::wgpu::Device) -> State {
+        use ::wgpu::BufferUsages as U;
+        let dummy_lse = device.create_buffer(&::wgpu::BufferDescriptor {
+            label: Some("attnkit no-lse"),
+            size: 16,
+            usage: U::STORAGE,
+            mapped_at_creation: false,
+        });
+        State {
+            pipelines: HashMap::new(),
+            meta: Growable::new(device, "attnkit meta", U::STORAGE | U::COPY_DST),
+            part_o: Growable::new(device, "attnkit split out", U::STORAGE),
+            part_lse: Growable::new(device, "attnkit split lse", U::STORAGE),
+            dummy_lse,
+            bind_groups: HashMap::new(),
+            words: Vec::new(),
+        }
+    }
+
+    fn pipeline(&mut self, device: &::wgpu::Device, key: PipeKey) -> ::wgpu::ComputePipeline {
+        self.pipelines
+            .entry(key)
+            .or_insert_with(|| {
+                let (src, label) = match key {
+                    PipeKey::Flash(dt, d, bk) => (
+                        specialize(FLASH_SRC, &[("D", d), ("DT", dt as usize), ("BQ", BQ), ("BK", bk)]),
+                        "attnkit flash_attn",
+                    ),
+                    PipeKey::Combine(dt, d) => {
+                        (specialize(COMBINE_SRC, &[("D", d), ("DT", dt as usize)]), "attnkit combine")
+                    }
+                };
+                let module = device.create_shader_module(::wgpu::ShaderModuleDescriptor {
+                    label: Some(label),
+                    source: ::wgpu::ShaderSource::Wgsl(src.into()),
+                });
+                device.create_compute_pipeline(&::wgpu::ComputePipelineDescriptor {
+                    label: Some(label),
+                    layout: None,
+                    module: &module,
+                    entry_point: Some("main"),
+                    compilation_options: Default::default(),
+                    cache: None,
+                })
+            })
+            .clone()
+    }
+
+    fn bind_group(
+        &mut self,
+        device: &::wgpu::Device,
+        key: PipeKey,
+        pipeline: &::wgpu::ComputePipeline,
+        buffers: [Option<::wgpu::Buffer>; 5],
+        layout_buffers: &[&::wgpu::Buffer],
+    ) -> ::wgpu::BindGroup {
+        if self.bind_groups.len() >= BIND_GROUP_CACHE {
+            self.bind_groups.clear();
+        }
+        self.bind_groups
+            .entry((key, buffers))
+            .or_insert_with(|| {
+                let entries: Vec<::wgpu::BindGroupEntry> = layout_buffers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, b)| ::wgpu::BindGroupEntry { binding: i as u32, resource: b.as_entire_binding() })
+                    .collect();
+                device.create_bind_group(&::wgpu::BindGroupDescriptor {
+                    label: Some("attnkit bind group"),
+                    layout: &pipeline.get_bind_group_layout(0),
+                    entries: &entries,
+                })
+            })
+            .clone()
+    }
+}
+
+/// How many key/value chunks to split a call into.
+fn choose_splits(c: &Checked<'_>, forced: Option<usize>, bk: usize) -> usize {
+    let g = c.group();
+    let tiles_q = (c.max_q * g).div_ceil(BQ).max(1);
+    let max_by_keys = c.max_k.div_ceil(bk).max(1);
+    if let Some(n) = forced {
+        return n.clamp(1, MAX_SPLITS).min(max_by_keys);
+    }
+    // Only short-query calls (decode, small chunked prefill): longer ones fill the GPU already.
+    if tiles_q > 4 || c.max_k < 2 * MIN_KEYS_PER_SPLIT {
+        return 1;
+    }
+    let wgs = c.batch * c.hkv * tiles_q;
+    let want = TARGET_WORKGROUPS.div_ceil(wgs.max(1));
+    want.min(c.max_k / MIN_KEYS_PER_SPLIT).clamp(1, MAX_SPLITS)
+}
+
+fn push_f32(w: &mut Vec<u32>, x: f32) {
+    w.push(x.to_bits());
+}
+
+/// Header and arrays of the metadata buffer.
+fn fill_meta(w: &mut Vec<u32>, c: &Checked<'_>, splits: usize, want_lse: bool) {
+    let p = &c.call.params;
+    let clamp = |x: Option<usize>| -> u32 { x.map(|v| v.min(1 << 30) as i32).unwrap_or(-1) as u32 };
+    let kind = match c.call.layout {
+        Layout::Dense => 0,
+        Layout::Varlen { .. } => 1,
+        Layout::Paged { .. } => 2,
+    };
+    w.clear();
+    w.extend_from_slice(&[
+        c.batch as u32,
+        c.hq as u32,
+        c.hkv as u32,
+        kind,
+        c.dense_sq as u32,
+        c.dense_sk as u32,
+        c.total_q as u32,
+        c.block_size as u32,
+        0, // max_blocks, below
+        p.causal as u32,
+        clamp(p.window_left),
+        clamp(p.window_right),
+    ]);
+    push_f32(w, p.softcap.unwrap_or(0.0));
+    push_f32(w, c.scale);
+    w.push(c.call.alibi_slopes.is_some() as u32);
+    w.push(want_lse as u32);
+    w.push(splits as u32);
+    w.resize(HEADER, 0);
+    let ints = |w: &mut Vec<u32>, s: &[i32]| w.extend(s.iter().map(|&x| x as u32));
+    match c.call.layout {
+        Layout::Dense => {}
+        Layout::Varlen { cu_seqlens_q, cu_seqlens_k } => {
+            w[17] = w.len() as u32;
+            ints(w, cu_seqlens_q);
+            w[18] = w.len() as u32;
+            ints(w, cu_seqlens_k);
+        }
+        Layout::Paged { cu_seqlens_q, block_table, max_blocks, seq_lens } => {
+            w[8] = max_blocks as u32;
+            w[17] = w.len() as u32;
+            ints(w, cu_seqlens_q);
+            w[18] = w.len() as u32;
+            ints(w, seq_lens);
+            w[19] = w.len() as u32;
+            // Unused entries may hold anything; the kernel never reads past a sequence's length,
+            // but keep what it could see in range anyway.
+            w.extend(block_table.iter().map(|&x| x.max(0) as u32));
+        }
+    }
+    if let Some(s) = c.call.alibi_slopes {
+        w[20] = w.len() as u32;
+        w.extend(s.iter().map(|x| x.to_bits()));
+    }
+}
+
+fn check_binding(ctx: &Ctx, what: &str, bytes: u64) -> Result<()> {
+    let max = ctx.limits.max_storage_buffer_binding_size;
+    if bytes > max {
+        return Err(backend_err(format!(
+            "{what} needs a binding of {bytes} bytes, over this device's max_storage_buffer_binding_size {max}"
+        )));
+    }
+    Ok(())
+}
+
+/// Compute a validated call. Checks everything that can fail before anything is queued.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn forward(
+    ctx: &Ctx,
+    c: &Checked<'_>,
+    q: &WgpuStorage,
+    k: &WgpuStorage,
+    v: &WgpuStorage,
+    out: &WgpuStorage,
+    lse: Option<&WgpuStorage>,
+    forced_splits: Option<usize>,
+) -> Result<()> {
+    if c.total_q == 0 || c.batch == 0 {
+        return Ok(());
+    }
+    let d = c.d;
+    let bk = pick_bk(d, ctx.limits.max_compute_workgroup_storage_size)
+        .ok_or_else(|| backend_err(format!("head dim {d} does not fit this device's workgroup memory")))?;
+    let dt = dtype_code(c.dtype);
+    let g = c.group();
+    let tiles_q = (c.max_q * g).div_ceil(BQ);
+    let mut splits = choose_splits(c, forced_splits, bk);
+    let rows = (c.total_q * c.hq) as u64;
+    // The split scratch must fit one binding; fewer splits otherwise.
+    while splits > 1 && rows * splits as u64 * d as u64 * 4 > ctx.limits.max_storage_buffer_binding_size {
+        splits /= 2;
+    }
+    let max_groups = ctx.limits.max_compute_workgroups_per_dimension as usize;
+    let z = c.batch * splits;
+    if tiles_q > max_groups || c.hkv > max_groups || z > max_groups {
+        return Err(backend_err(format!(
+            "grid ({tiles_q}, {}, {z}) exceeds this device's {max_groups} workgroups per dimension",
+            c.hkv
+        )));
+    }
+    for (what, s) in [("q", q), ("k", k), ("v", v), ("out", out)] {
+        check_binding(ctx, what, s.buffer.size())?;
+    }
+    if (u32::MAX as u64) < (c.call.k.elem_count().max(c.call.q.elem_count()) as u64) {
+        return Err(backend_err("tensors of 2^32 elements or more are not supported"));
+    }
+
+    let mut st = ctx.state.lock().map_err(|_| backend_err("state lock poisoned"))?;
+    let st = &mut *st;
+    let mut words = std::mem::take(&mut st.words);
+    fill_meta(&mut words, c, splits, lse.is_some());
+    let meta_bytes = (words.len() * 4) as u64;
+    check_binding(ctx, "metadata", meta_bytes)?;
+    let combine_groups = if splits > 1 { (c.total_q * c.hq * (d / 4)).div_ceil(COMBINE_WG) } else { 0 };
+    let (cx, cy) = if combine_groups <= max_groups {
+        (combine_groups, 1)
+    } else {
+        (max_groups, combine_groups.div_ceil(max_groups))
+    };
+    if cy > max_groups {
+        st.words = words;
+        return Err(backend_err("too many rows for the split-KV combine pass"));
+    }
+
+    let r = ctx.scoped("attention", || {
+        let dev = &ctx.device;
+        let mut grown = st.meta.fit(dev, meta_bytes);
+        if splits > 1 {
+            grown |= st.part_o.fit(dev, rows * splits as u64 * d as u64 * 4);
+            grown |= st.part_lse.fit(dev, rows * splits as u64 * 4);
+        }
+        if grown {
+            st.bind_groups.clear();
+        }
+        ctx.queue.write_buffer(&st.meta.buffer, 0, bytemuck_words(&words));
+
+        let fkey = PipeKey::Flash(dt, d, bk);
+        let fpipe = st.pipeline(dev, fkey);
+        let lse_buf = lse.map(|l| l.buffer.clone()).unwrap_or_else(|| st.dummy_lse.clone());
+        let (meta_b, po, pl) = (st.meta.buffer.clone(), st.part_o.buffer.clone(), st.part_lse.buffer.clone());
+        let fbg = st.bind_group(
+            dev,
+            fkey,
+            &fpipe,
+            [
+                Some(q.buffer.clone()),
+                Some(k.buffer.clone()),
+                Some(v.buffer.clone()),
+                Some(out.buffer.clone()),
+                Some(lse_buf.clone()),
+            ],
+            &[&q.buffer, &k.buffer, &v.buffer, &out.buffer, &lse_buf, &meta_b, &po, &pl],
+        );
+        let combine = if splits > 1 {
+            let ckey = PipeKey::Combine(dt, d);
+            let cpipe = st.pipeline(dev, ckey);
+            let cbg = st.bind_group(
+                dev,
+                ckey,
+                &cpipe,
+                [Some(out.buffer.clone()), Some(lse_buf.clone()), None, None, None],
+                &[&out.buffer, &lse_buf, &meta_b, &po, &pl],
+            );
+            Some((cpipe, cbg))
+        } else {
+            None
+        };
+
+        let mut enc = dev.create_command_encoder(&::wgpu::CommandEncoderDescriptor { label: Some("attnkit forward") });
+        {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            pass.set_pipeline(&fpipe);
+            pass.set_bind_group(0, &fbg, &[]);
+            pass.dispatch_workgroups(tiles_q as u32, c.hkv as u32, z as u32);
+        }
+        if let Some((cpipe, cbg)) = combine {
+            let mut pass = enc.begin_compute_pass(&Default::default());
+            pass.set_pipeline(&cpipe);
+            pass.set_bind_group(0, &cbg, &[]);
+            pass.dispatch_workgroups(cx as u32, cy as u32, 1);
+        }
+        ctx.queue.submit([enc.finish()]);
+        Ok(())
+    });
+    st.words = words;
+    r
+}
+
+fn bytemuck_words(w: &[u32]) -> &[u8] {
+    bytemuck::cast_slice(w)
+}

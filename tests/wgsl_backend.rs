@@ -1,0 +1,137 @@
+//! wgpu-specific checks beyond the conformance suite: the split-KV path forced on random cases,
+//! a caller-provided device and queue, caller buffers reused across calls.
+#![cfg(feature = "wgpu")]
+
+mod common;
+
+use attnkit::wgpu::WgpuBackend;
+use attnkit::{AttentionBackend, DType, LayoutKind, Params};
+use common::*;
+
+/// The backend, or `None` when `ATTNKIT_SKIP` names wgpu and there is no adapter.
+fn be() -> Option<WgpuBackend> {
+    match WgpuBackend::new() {
+        Ok(b) => Some(b),
+        Err(e) => {
+            backend("wgpu")?; // fails the test unless ATTNKIT_SKIP names wgpu
+            panic!("wgpu: {e}");
+        }
+    }
+}
+
+fn cases() -> usize {
+    std::env::var("ATTNKIT_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64)
+}
+
+/// A random case, long in keys and short in queries so that every split has work (or none).
+fn random_case(rng: &mut Rng, seed: u64) -> Case {
+    let layout = [LayoutKind::Dense, LayoutKind::Varlen, LayoutKind::Paged][rng.below(3)];
+    let dtype = DType::FLOATS[rng.below(3)];
+    let b = 1 + rng.below(3);
+    let mut lens: Vec<(usize, usize)> = (0..b).map(|_| (rng.below(6), rng.below(300))).collect();
+    if layout == LayoutKind::Dense {
+        let l0 = (lens[0].0.max(1), lens[0].1.max(1));
+        lens.iter_mut().for_each(|l| *l = l0);
+    }
+    let opt = |rng: &mut Rng, n: usize| if rng.below(3) == 0 { Some(rng.below(n)) } else { None };
+    let params = Params {
+        causal: rng.below(2) == 0,
+        window_left: opt(rng, 100),
+        window_right: opt(rng, 40),
+        softcap: if rng.below(4) == 0 { Some(1.0 + rng.below(30) as f32) } else { None },
+        scale: None,
+    };
+    Case {
+        layout,
+        dtype,
+        lens,
+        hkv: 1 + rng.below(2),
+        group: [1, 2, 4, 8][rng.below(4)],
+        d: [4, 8, 24, 64, 128, 256][rng.below(6)],
+        params,
+        alibi: rng.below(3) == 0,
+        block_size: 1 + rng.below(20),
+        lse: true,
+        seed,
+    }
+}
+
+#[test]
+fn split_kv_matches_reference() {
+    let Some(mut be) = be() else { return };
+    let mut rng = Rng::new(0x5eed);
+    for n in 0..cases() {
+        let seed = rng.next_u64();
+        let case = random_case(&mut rng, seed);
+        be.set_kv_splits(Some([2, 3, 7, 64][n % 4]));
+        check_against_reference(&be, &case).unwrap_or_else(|e| panic!("splits {:?}: {e}", [2, 3, 7, 64][n % 4]));
+    }
+}
+
+#[test]
+fn split_and_unsplit_agree() {
+    let Some(mut be) = be() else { return };
+    let mut rng = Rng::new(99);
+    for _ in 0..cases().div_ceil(4) {
+        let seed = rng.next_u64();
+        let case = random_case(&mut rng, seed);
+        let built = case.build();
+        be.set_kv_splits(Some(1));
+        let one = run_on(&be, &case, &built).unwrap();
+        be.set_kv_splits(Some(5));
+        let five = run_on(&be, &case, &built).unwrap();
+        let (atol, rtol) = tol(case.dtype);
+        check_close("split 5 vs 1", &five.out, &one.out, atol, rtol).unwrap_or_else(|e| panic!("{e}\n{case:?}"));
+        check_close("lse split 5 vs 1", &five.lse.unwrap(), &one.lse.unwrap(), 1e-4, 1e-5)
+            .unwrap_or_else(|e| panic!("{e}\n{case:?}"));
+    }
+}
+
+#[test]
+fn caller_device_and_buffers() {
+    let Some(shared) = be() else { return };
+    // A second backend over the same wgpu device and queue, as a model would build it.
+    let be = WgpuBackend::from_device(shared.wgpu_device().clone(), shared.wgpu_queue().clone());
+    assert_ne!(be.device(), shared.device(), "each backend over a caller device gets its own id");
+    eprintln!("wgpu adapter: {}", shared.adapter_name());
+    let mut case = case_of(LayoutKind::Paged, DType::BF16, vec![(1, 700), (3, 40)]);
+    case.params.causal = true;
+    let built = case.build();
+    let (q, k, v) = (be.upload(&built.q).unwrap(), be.upload(&built.k).unwrap(), be.upload(&built.v).unwrap());
+    // A tensor of the other backend is refused with a typed error.
+    let foreign = shared.upload(&built.q).unwrap();
+    let call = built.call(&case, &foreign, &k, &v);
+    assert!(matches!(be.forward(&call, None, None), Err(attnkit::Error::Device { arg: "q", .. })));
+    // The same caller buffers, three calls: the same bits each time, matching the reference.
+    let call = built.call(&case, &q, &k, &v);
+    let mut out = be.alloc(q.shape(), q.dtype()).unwrap();
+    let lse_shape = [case.hq(), q.shape()[0]];
+    let mut lse = be.alloc(&lse_shape, DType::F32).unwrap();
+    let mut first = None;
+    for _ in 0..3 {
+        let o = be.forward(&call, Some(&mut out), Some(&mut lse)).unwrap();
+        assert!(o.out.is_none() && o.lse.is_none());
+        let got = bytes(&be, &out);
+        assert_eq!(first.get_or_insert_with(|| got.clone()), &got);
+    }
+    let (want, _) = reference(&case, &built);
+    let got = be.download(&out).unwrap().to_f64_vec().unwrap();
+    let (atol, rtol) = tol(case.dtype);
+    check_close("out", &got, &want, atol, rtol).unwrap();
+}
+
+fn case_of(layout: LayoutKind, dtype: DType, lens: Vec<(usize, usize)>) -> Case {
+    Case {
+        layout,
+        dtype,
+        lens,
+        hkv: 2,
+        group: 4,
+        d: 64,
+        params: Params::default(),
+        alibi: false,
+        block_size: 16,
+        lse: true,
+        seed: 3,
+    }
+}
