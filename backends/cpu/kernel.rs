@@ -1,23 +1,55 @@
-//! The flash kernel: for a block of queries of one head, stream key/value tiles, keep the running
-//! max `m`, the running sum `l` and the unnormalised output in f32, and skip tiles no query of the
-//! block can see.
+//! The flash kernel. A task owns a block of query rows (query positions x the query heads of one
+//! GQA group, position-major so each row's visible key interval moves monotonically) and a range
+//! of keys. It streams key/value tiles of [`BK`] keys, packs each tile once as f32 (widening
+//! f16/bf16 in registers) for all its rows, and keeps the running max `m`, sum `l` and
+//! unnormalised output `o` in f32.
+//!
+//! Layout of the work, chosen so no transpose is ever needed on the hot path:
+//! - `qt` is the task's queries transposed once, `[D][Rp]`, pre-multiplied by `scale * log2(e)`;
+//! - `s = k·qᵀ` is computed key-major, `[BK][Rp]`: a register tile of `MR` keys (broadcast) by two
+//!   vectors of rows, so the softmax runs down the key axis with rows in the lanes, and `m`, `l`
+//!   are per-lane vectors (no horizontal reductions);
+//! - `o += p·v` is a register tile of `MR` rows (broadcast from `s`) by two vectors of `D`.
+//!
+//! Tiles no row can see are never visited; tiles every row sees in full run with no per-element
+//! mask work; only tiles on a mask edge apply a per-element mask. A key a row cannot see is never
+//! multiplied into that row (so NaN in a value another row can see cannot leak), which is why
+//! `p·v` runs the shared register tile over the keys all its rows see and the rest row by row.
+//!
+//! Decode (few tasks, many keys) splits the keys of each task over several tasks (flash-decoding)
+//! and merges their partial `(m, l, o)` with the log-sum-exp; the partials live in a buffer the
+//! backend keeps and grows once.
 
 use std::cell::RefCell;
+use std::sync::OnceLock;
 
-use half::{bf16, f16};
+use half::{bf16, f16, slice::HalfFloatSliceExt};
 use rayon::prelude::*;
 
+#[cfg(target_arch = "x86_64")]
+use super::simd::{Avx2, Avx512};
+use super::simd::{Portable, Simd};
 use crate::validate::{key_range, Checked, Seq};
 
-/// Queries per task: small enough that a 2048-query head gives both cores many tasks.
-const BQ: usize = 32;
-/// Keys per tile.
+/// Keys per tile. 64 keys x D 128 x 4 B = 32 KiB per packed k or v tile: with the task's q, s and
+/// o (64 rows) the working set stays in L2, and the register tiles stream from L1.
 const BK: usize = 64;
+/// Query rows per task (query positions x heads of a group): at S = 2048, H = 8 that is 256
+/// tasks, plenty for two cores, and each packed k/v tile is reused by 64 rows.
+const ROWS: usize = 64;
+/// Largest lane count of any instruction set, for padding.
+const MAX_LANES: usize = 16;
 
-/// An input element the kernel widens to f32 and writes back from f32.
+/// An input element: widened to f32 when packed, narrowed when the output row is written.
 pub(crate) trait Element: Copy + Send + Sync + 'static {
     fn to_f32(self) -> f32;
-    fn from_f32(x: f32) -> Self;
+    /// `S::LANES` elements at `p`, widened.
+    ///
+    /// # Safety
+    /// `S`'s instruction set is present and `S::LANES` elements are readable at `p`.
+    unsafe fn load<S: Simd>(p: *const Self) -> S::V;
+    /// Write an f32 row into `dst` (same length), rounding to nearest even.
+    fn store_row(src: &[f32], dst: &mut [Self]);
 }
 impl Element for f32 {
     #[inline(always)]
@@ -25,8 +57,12 @@ impl Element for f32 {
         self
     }
     #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        x
+    unsafe fn load<S: Simd>(p: *const f32) -> S::V {
+        // SAFETY: forwarded from the caller.
+        unsafe { S::load(p) }
+    }
+    fn store_row(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
     }
 }
 impl Element for f16 {
@@ -35,8 +71,12 @@ impl Element for f16 {
         f16::to_f32(self)
     }
     #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        f16::from_f32(x)
+    unsafe fn load<S: Simd>(p: *const f16) -> S::V {
+        // SAFETY: forwarded from the caller; f16 is a u16 bit pattern.
+        unsafe { S::load_f16(p as *const u16) }
+    }
+    fn store_row(src: &[f32], dst: &mut [f16]) {
+        dst.convert_from_f32_slice(src);
     }
 }
 impl Element for bf16 {
@@ -45,8 +85,12 @@ impl Element for bf16 {
         bf16::to_f32(self)
     }
     #[inline(always)]
-    fn from_f32(x: f32) -> Self {
-        bf16::from_f32(x)
+    unsafe fn load<S: Simd>(p: *const bf16) -> S::V {
+        // SAFETY: forwarded from the caller; bf16 is a u16 bit pattern.
+        unsafe { S::load_bf16(p as *const u16) }
+    }
+    fn store_row(src: &[f32], dst: &mut [bf16]) {
+        dst.convert_from_f32_slice(src);
     }
 }
 
@@ -56,8 +100,8 @@ struct SharedOut<T> {
     ptr: *mut T,
     len: usize,
 }
-// SAFETY: tasks write disjoint indices (one (sequence, head, query) row each) and the owner
-// slice outlives the parallel region, which `run` joins before returning.
+// SAFETY: tasks write disjoint ranges (one (sequence, head, query) row, or one partial slot, each)
+// and the owner slice outlives the parallel region, which `run` joins before returning.
 unsafe impl<T: Send> Send for SharedOut<T> {}
 // SAFETY: as above: no two tasks touch the same index.
 unsafe impl<T: Send> Sync for SharedOut<T> {}
@@ -67,202 +111,694 @@ impl<T> SharedOut<T> {
         SharedOut { ptr: s.as_mut_ptr(), len: s.len() }
     }
     /// # Safety
-    /// `i < len`, and no other task reads or writes index `i` during the parallel region.
+    /// No other task reads or writes `start..start + n` during the parallel region.
     #[inline(always)]
-    unsafe fn write(&self, i: usize, x: T) {
-        debug_assert!(i < self.len);
-        // SAFETY: the caller guarantees `i` is in bounds and owned by this task.
-        unsafe { self.ptr.add(i).write(x) }
+    #[allow(clippy::mut_from_ref)]
+    unsafe fn slice(&self, start: usize, n: usize) -> &mut [T] {
+        assert!(start + n <= self.len);
+        // SAFETY: in bounds (checked above) and owned by this task (the caller's promise).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), n) }
+    }
+}
+
+/// The instruction set the kernel runs with, detected once. `ATTNKIT_CPU_ISA=avx2|portable`
+/// forces a lower one (to test those paths on a machine that has more).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    #[cfg(target_arch = "x86_64")]
+    Avx512,
+    #[cfg(target_arch = "x86_64")]
+    Avx2,
+    Portable,
+}
+
+pub(crate) fn isa() -> Isa {
+    static ISA: OnceLock<Isa> = OnceLock::new();
+    *ISA.get_or_init(|| {
+        let want = std::env::var("ATTNKIT_CPU_ISA").unwrap_or_default();
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 =
+                is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c");
+            if is_x86_feature_detected!("avx512f") && avx2 && want != "avx2" && want != "portable" {
+                return Isa::Avx512;
+            }
+            if avx2 && want != "portable" {
+                return Isa::Avx2;
+            }
+        }
+        let _ = want;
+        Isa::Portable
+    })
+}
+
+/// A buffer of f32 whose working slice starts on a 64-byte boundary.
+#[derive(Default)]
+struct Buf(Vec<f32>);
+impl Buf {
+    fn get(&mut self, n: usize) -> &mut [f32] {
+        if self.0.len() < n + MAX_LANES {
+            self.0.resize(n + MAX_LANES, 0.0);
+        }
+        let off = self.0.as_ptr().align_offset(64).min(MAX_LANES);
+        &mut self.0[off..off + n]
     }
 }
 
 /// Per-thread tile buffers, grown on first use and reused after.
 #[derive(Default)]
 struct Scratch {
-    q: Vec<f32>,
-    o: Vec<f32>,
-    kt: Vec<f32>,
-    vt: Vec<f32>,
-    s: Vec<f32>,
-    m: Vec<f32>,
-    l: Vec<f32>,
-}
-
-impl Scratch {
-    fn fit(&mut self, d: usize) {
-        fn grow(v: &mut Vec<f32>, n: usize) {
-            if v.len() < n {
-                v.resize(n, 0.0);
-            }
-        }
-        grow(&mut self.q, BQ * d);
-        grow(&mut self.o, BQ * d);
-        grow(&mut self.kt, BK * d);
-        grow(&mut self.vt, BK * d);
-        grow(&mut self.s, BK);
-        grow(&mut self.m, BQ);
-        grow(&mut self.l, BQ);
-    }
+    qt: Buf,
+    s: Buf,
+    kp: Buf,
+    vp: Buf,
+    o: Buf,
+    row: Buf,
+    m: Buf,
+    l: Buf,
+    alpha: Buf,
+    /// Per row: in-tile visible keys [a, e) as f32 (for vector compares).
+    af: Buf,
+    ef: Buf,
+    /// Per row: ALiBi slope and aligned query index (slow path only).
+    slope: Buf,
+    ia: Buf,
+    lo: Vec<usize>,
+    hi: Vec<usize>,
+    a: Vec<usize>,
+    e: Vec<usize>,
 }
 
 thread_local! {
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
 
-#[inline(always)]
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (ac, ar) = a.split_at(a.len() / 8 * 8);
-    let (bc, br) = b.split_at(ac.len());
-    for (x, y) in ac.chunks_exact(8).zip(bc.chunks_exact(8)) {
-        for l in 0..8 {
-            acc[l] += x[l] * y[l];
+/// How the work is cut: `bq` query positions x `hn` heads per task, `hparts` tasks per group,
+/// and each task's keys split in `nsplit`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Plan {
+    bq: usize,
+    hn: usize,
+    hparts: usize,
+    nsplit: usize,
+    dp: usize,
+    /// Rows of a task rounded up to the lane count.
+    rp: usize,
+}
+
+impl Plan {
+    pub(crate) fn new(c: &Checked<'_>) -> Plan {
+        let g = c.group();
+        let hn = g.min(ROWS);
+        let hparts = g.div_ceil(hn);
+        let bq = (ROWS / hn).max(1).min(c.max_q.max(1));
+        let groups: usize = (0..c.batch).map(|b| c.seq(b).q_len.div_ceil(bq)).sum::<usize>() * c.hkv * hparts;
+        // Fewer tasks than a few per thread: split the keys (flash-decoding), at least two tiles each.
+        let want = 4 * rayon::current_num_threads();
+        let nsplit = if groups > 0 && groups < want { want.div_ceil(groups).min(c.max_k / (2 * BK)).max(1) } else { 1 };
+        let dp = c.d.next_multiple_of(MAX_LANES);
+        let rp = (bq * hn).next_multiple_of(MAX_LANES);
+        Plan { bq, hn, hparts, nsplit, dp, rp }
+    }
+    /// f32 elements of one partial slot: m and l per row, then o.
+    fn slot(&self) -> usize {
+        self.rp * (2 + self.dp)
+    }
+    /// Partial f32 elements the whole call needs (0 without a split).
+    pub(crate) fn partial_len(&self, c: &Checked<'_>) -> usize {
+        if self.nsplit == 1 {
+            return 0;
         }
+        self.groups_before(c, c.batch) * self.nsplit * self.slot()
     }
-    let mut s = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
-    for (x, y) in ar.iter().zip(br) {
-        s += x * y;
+    fn groups_of(&self, c: &Checked<'_>, seq: &Seq) -> usize {
+        c.hkv * self.hparts * seq.q_len.div_ceil(self.bq)
     }
-    s
+    fn groups_before(&self, c: &Checked<'_>, b: usize) -> usize {
+        (0..b).map(|x| self.groups_of(c, &c.seq(x))).sum()
+    }
 }
 
-pub(crate) fn run<T: Element>(c: &Checked<'_>, q: &[T], k: &[T], v: &[T], out: &mut [T], lse: Option<&mut [f32]>) {
-    let out = SharedOut::new(out);
-    let lse = lse.map(SharedOut::new);
-    let hq = c.hq;
-    (0..c.batch).into_par_iter().for_each(|b| {
-        let seq = c.seq(b);
-        let nblk = seq.q_len.div_ceil(BQ);
-        (0..hq * nblk).into_par_iter().for_each(|t| {
-            let (h, blk) = (t / nblk, t % nblk);
-            SCRATCH.with(|s| {
-                let mut s = s.borrow_mut();
-                s.fit(c.d);
-                block(c, b, &seq, h, blk * BQ, ((blk + 1) * BQ).min(seq.q_len), q, k, v, out, lse, &mut s);
-            });
-        });
-    });
+/// Everything a task reads, and where it writes.
+struct Ctx<'a, T> {
+    c: &'a Checked<'a>,
+    plan: Plan,
+    q: &'a [T],
+    k: &'a [T],
+    v: &'a [T],
+    out: SharedOut<T>,
+    lse: Option<SharedOut<f32>>,
+    partial: SharedOut<f32>,
 }
 
-#[allow(clippy::too_many_arguments)]
-fn block<T: Element>(
-    c: &Checked<'_>,
+/// One task: group `grp` of sequence `b` (kv head, head part, query block), key split `split`,
+/// partial slot `slot` (used when the plan splits keys).
+#[derive(Clone, Copy)]
+struct Task {
     b: usize,
-    seq: &Seq,
-    h: usize,
-    i0: usize,
-    i1: usize,
+    seq: Seq,
+    grp: usize,
+    split: usize,
+    slot: usize,
+}
+
+pub(crate) fn run<T: Element>(
+    c: &Checked<'_>,
     q: &[T],
     k: &[T],
     v: &[T],
-    out: SharedOut<T>,
-    lse: Option<SharedOut<f32>>,
-    sc: &mut Scratch,
+    out: &mut [T],
+    lse: Option<&mut [f32]>,
+    partial: &mut Vec<f32>,
 ) {
-    let (d, hq, hkv) = (c.d, c.hq, c.hkv);
-    let kh = h / c.group();
-    let p = &c.call.params;
-    let rows = i1 - i0;
-    let Scratch { q: qt, o, kt, vt, s, m, l } = sc;
-    let slope = c.call.alibi_slopes.map(|a| a[h]);
-    let shift = seq.k_len as i64 - seq.q_len as i64;
+    let plan = Plan::new(c);
+    let need = plan.partial_len(c);
+    if partial.len() < need {
+        partial.resize(need, 0.0);
+    }
+    let ctx = Ctx {
+        c,
+        plan,
+        q,
+        k,
+        v,
+        out: SharedOut::new(out),
+        lse: lse.map(SharedOut::new),
+        partial: SharedOut::new(partial),
+    };
+    let isa = isa();
+    let ns = plan.nsplit;
+    (0..c.batch).into_par_iter().for_each(|b| {
+        let seq = c.seq(b);
+        let groups = plan.groups_of(c, &seq);
+        let base = if ns > 1 { plan.groups_before(c, b) } else { 0 };
+        (0..groups * ns).into_par_iter().for_each(|t| {
+            let task = Task { b, seq, grp: t / ns, split: t % ns, slot: (base + t / ns) * ns + t % ns };
+            SCRATCH.with(|s| dispatch(isa, &ctx, task, &mut s.borrow_mut()));
+        });
+    });
+    if ns > 1 {
+        (0..c.batch).into_par_iter().for_each(|b| {
+            let seq = c.seq(b);
+            let base = plan.groups_before(c, b);
+            (0..plan.groups_of(c, &seq)).into_par_iter().for_each(|grp| {
+                SCRATCH.with(|s| merge(&ctx, b, &seq, grp, base + grp, &mut s.borrow_mut()));
+            });
+        });
+    }
+}
 
-    // Keys any query of the block can see: one interval, since each query's is one and both ends
-    // move monotonically with the query index.
-    let mut lo_all = usize::MAX;
-    let mut hi_all = 0;
-    for r in 0..rows {
-        let i = i0 + r;
-        let qrow = &q[((seq.q_start + i) * hq + h) * d..][..d];
-        for (x, &y) in qt[r * d..(r + 1) * d].iter_mut().zip(qrow) {
-            *x = y.to_f32();
+fn dispatch<T: Element>(isa: Isa, ctx: &Ctx<'_, T>, t: Task, s: &mut Scratch) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => {
+            // SAFETY: `isa()` returned Avx512 only after detecting AVX-512F, AVX2, FMA and F16C.
+            unsafe { task_avx512(ctx, t, s) }
         }
-        o[r * d..(r + 1) * d].fill(0.0);
-        m[r] = f32::NEG_INFINITY;
-        l[r] = 0.0;
-        let (lo, hi) = key_range(i, seq.q_len, seq.k_len, p);
-        if lo < hi {
-            lo_all = lo_all.min(lo);
-            hi_all = hi_all.max(hi);
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            // SAFETY: `isa()` returned Avx2 only after detecting AVX2, FMA and F16C.
+            unsafe { task_avx2(ctx, t, s) }
+        }
+        Isa::Portable => {
+            // SAFETY: the portable set needs nothing beyond the target's baseline.
+            unsafe { task::<Portable, T>(ctx, t, s) }
         }
     }
+}
 
-    let mut j0 = lo_all;
-    while j0 < hi_all {
-        let j1 = (j0 + BK).min(hi_all);
-        let n = j1 - j0;
-        for jj in 0..n {
-            let row = (c.k_row(b, seq, j0 + jj) * hkv + kh) * d;
-            for (x, &y) in kt[jj * d..(jj + 1) * d].iter_mut().zip(&k[row..row + d]) {
-                *x = y.to_f32();
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma,f16c")]
+unsafe fn task_avx512<T: Element>(ctx: &Ctx<'_, T>, t: Task, s: &mut Scratch) {
+    // SAFETY: this function's features are those Avx512 needs.
+    unsafe { task::<Avx512, T>(ctx, t, s) }
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn task_avx2<T: Element>(ctx: &Ctx<'_, T>, t: Task, s: &mut Scratch) {
+    // SAFETY: this function's features are those Avx2 needs.
+    unsafe { task::<Avx2, T>(ctx, t, s) }
+}
+
+/// Widen `d` elements of `src` into `dst`, zero-padding past `d`.
+///
+/// # Safety
+/// `S`'s instruction set is present.
+#[inline(always)]
+unsafe fn pack_row<S: Simd, T: Element>(src: &[T], d: usize, dst: &mut [f32]) {
+    let dp = dst.len();
+    assert!(src.len() >= d && dp >= d);
+    let mut x = 0;
+    while x + S::LANES <= d {
+        // SAFETY: x + LANES <= d <= both lengths.
+        unsafe { S::store(dst.as_mut_ptr().add(x), T::load::<S>(src.as_ptr().add(x))) };
+        x += S::LANES;
+    }
+    for i in x..d {
+        dst[i] = src[i].to_f32();
+    }
+    dst[d..dp].fill(0.0);
+}
+
+/// `s[j][r0..r0 + NR*L] = k[j]·qt[..][r0..]` for `MK` keys from `j0`.
+///
+/// # Safety
+/// `S` is present; `qt` holds `d` rows of `rp` and `r0 + NR*L <= rp`; `kp` holds `j0 + MK` rows of
+/// `dp >= d`; `s` holds `j0 + MK` rows of `rp`.
+#[inline(always)]
+unsafe fn qk<S: Simd, const MK: usize, const NR: usize>(
+    qt: *const f32,
+    kp: *const f32,
+    s: *mut f32,
+    (rp, dp, d): (usize, usize, usize),
+    r0: usize,
+    j0: usize,
+) {
+    // SAFETY: every offset is inside the extents the caller guarantees (whole body).
+    unsafe {
+        let mut acc = [[S::zero(); NR]; MK];
+        for x in 0..d {
+            let mut qv = [S::zero(); NR];
+            for (n, v) in qv.iter_mut().enumerate() {
+                *v = S::load(qt.add(x * rp + r0 + n * S::LANES));
             }
-            for (x, &y) in vt[jj * d..(jj + 1) * d].iter_mut().zip(&v[row..row + d]) {
-                *x = y.to_f32();
+            for (m, a) in acc.iter_mut().enumerate() {
+                let kb = S::splat(*kp.add((j0 + m) * dp + x));
+                for n in 0..NR {
+                    a[n] = S::fma(kb, qv[n], a[n]);
+                }
             }
         }
-        for r in 0..rows {
-            let i = i0 + r;
-            let (lo, hi) = key_range(i, seq.q_len, seq.k_len, p);
-            let (a, e) = (lo.max(j0), hi.min(j1));
-            if a >= e {
-                continue; // this tile is fully masked for this query
+        for (m, a) in acc.iter().enumerate() {
+            for (n, v) in a.iter().enumerate() {
+                S::store(s.add((j0 + m) * rp + r0 + n * S::LANES), *v);
             }
-            let qr = &qt[r * d..(r + 1) * d];
-            let ia = i as i64 + shift;
-            let mut tile_max = f32::NEG_INFINITY;
-            for j in a..e {
-                let jj = j - j0;
-                let mut x = c.scale * dot(qr, &kt[jj * d..(jj + 1) * d]);
-                if let Some(cap) = p.softcap {
-                    x = cap * (x / cap).tanh();
-                }
-                if let Some(sl) = slope {
-                    x -= sl * (ia - j as i64).unsigned_abs() as f32;
-                }
-                s[jj] = x;
-                tile_max = tile_max.max(x);
+        }
+    }
+}
+
+/// `o[r0..r0 + MR][d0..d0 + NR*L] += sum over j in ja..jb of p[j][r] * v[j][..]`.
+///
+/// # Safety
+/// `S` is present; `p` holds `jb` rows of `rp`, `r0 + MR <= rp`; `vp` holds `jb` rows of `dp`,
+/// `d0 + NR*L <= dp`; `o` holds `r0 + MR` rows of `dp`.
+#[inline(always)]
+unsafe fn pv<S: Simd, const MR: usize, const NR: usize>(
+    p: *const f32,
+    vp: *const f32,
+    o: *mut f32,
+    (rp, dp): (usize, usize),
+    r0: usize,
+    d0: usize,
+    (ja, jb): (usize, usize),
+) {
+    // SAFETY: every offset is inside the extents the caller guarantees (whole body).
+    unsafe {
+        let mut acc = [[S::zero(); NR]; MR];
+        for (m, a) in acc.iter_mut().enumerate() {
+            for (n, v) in a.iter_mut().enumerate() {
+                *v = S::load(o.add((r0 + m) * dp + d0 + n * S::LANES));
             }
-            let m_new = m[r].max(tile_max);
-            if m_new == f32::NEG_INFINITY {
+        }
+        for j in ja..jb {
+            let mut vv = [S::zero(); NR];
+            for (n, v) in vv.iter_mut().enumerate() {
+                *v = S::load(vp.add(j * dp + d0 + n * S::LANES));
+            }
+            for (m, a) in acc.iter_mut().enumerate() {
+                let pb = S::splat(*p.add(j * rp + r0 + m));
+                for n in 0..NR {
+                    a[n] = S::fma(pb, vv[n], a[n]);
+                }
+            }
+        }
+        for (m, a) in acc.iter().enumerate() {
+            for (n, v) in a.iter().enumerate() {
+                S::store(o.add((r0 + m) * dp + d0 + n * S::LANES), *v);
+            }
+        }
+    }
+}
+
+/// `pv` over every vector of `D`, for `MR` rows.
+///
+/// # Safety
+/// As [`pv`], with `dp` a multiple of `S::LANES`.
+#[inline(always)]
+unsafe fn pv_rows<S: Simd, const MR: usize>(
+    p: *const f32,
+    vp: *const f32,
+    o: *mut f32,
+    dims: (usize, usize),
+    r0: usize,
+    keys: (usize, usize),
+) {
+    let nv = dims.1 / S::LANES;
+    let mut x = 0;
+    // SAFETY: d0 + NR * LANES <= dp in each call; the rest is the caller's promise.
+    unsafe {
+        while x + 2 <= nv {
+            pv::<S, MR, 2>(p, vp, o, dims, r0, x * S::LANES, keys);
+            x += 2;
+        }
+        if x < nv {
+            pv::<S, MR, 1>(p, vp, o, dims, r0, x * S::LANES, keys);
+        }
+    }
+}
+
+/// One task.
+///
+/// # Safety
+/// `S`'s instruction set is present.
+#[inline(always)]
+unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch) {
+    let c = ctx.c;
+    let plan = ctx.plan;
+    let p = &c.call.params;
+    let (d, dp, hq, hkv) = (c.d, plan.dp, c.hq, c.hkv);
+    let g = c.group();
+    let seq = &t.seq;
+    let nq = seq.q_len.div_ceil(plan.bq);
+    let (kh, rest) = (t.grp / (plan.hparts * nq), t.grp % (plan.hparts * nq));
+    let (hp, qb) = (rest / nq, rest % nq);
+    let h0 = kh * g + hp * plan.hn;
+    let hn = plan.hn.min(g - hp * plan.hn);
+    let i0 = qb * plan.bq;
+    let ni = plan.bq.min(seq.q_len - i0);
+    let rows = ni * hn;
+    let rp = rows.next_multiple_of(S::LANES);
+    let slow = p.softcap.is_some() || c.call.alibi_slopes.is_some();
+    let log2e = std::f32::consts::LOG2_E;
+    // Fast path: q carries scale * log2(e), so s is already in log2 units.
+    let qscale = if slow { 1.0 } else { c.scale * log2e };
+
+    let Scratch { qt, s, kp, vp, o, row, m, l, alpha, af, ef, slope, ia, lo, hi, a, e } = sc;
+    let qt = qt.get(d * rp);
+    let s = s.get(BK * rp);
+    let kp = kp.get(BK * dp);
+    let vp = vp.get(BK * dp);
+    let o = o.get(rp * dp);
+    let row = row.get(dp);
+    let m = m.get(rp);
+    let l = l.get(rp);
+    let alpha = alpha.get(rp);
+    let af = af.get(rp);
+    let ef = ef.get(rp);
+    let slope = slope.get(rp);
+    let ia = ia.get(rp);
+    for x in [&mut *lo, &mut *hi, &mut *a, &mut *e] {
+        x.clear();
+        x.resize(rp, 0);
+    }
+
+    // Rows: r = position * hn + head, so each row's key interval moves monotonically with r.
+    let shift = seq.k_len as i64 - seq.q_len as i64;
+    let (mut lo_all, mut hi_all) = (usize::MAX, 0);
+    for r in 0..rp {
+        let rr = r.min(rows - 1); // padding rows copy the last real row
+        let (qi, hh) = (rr / hn, rr % hn);
+        let (i, h) = (i0 + qi, h0 + hh);
+        let (x, y) = key_range(i, seq.q_len, seq.k_len, p);
+        (lo[r], hi[r]) = (x, y);
+        if x < y {
+            lo_all = lo_all.min(x);
+            hi_all = hi_all.max(y);
+        }
+        if slow {
+            slope[r] = c.call.alibi_slopes.map_or(0.0, |a| a[h]);
+            ia[r] = (i as i64 + shift) as f32;
+        }
+        if r < rows {
+            let src = &ctx.q[((seq.q_start + i) * hq + h) * d..][..d];
+            // SAFETY: `S` is present (the caller's promise).
+            unsafe { pack_row::<S, T>(src, d, row) };
+            for (x, &y) in row[..d].iter().enumerate() {
+                qt[x * rp + r] = y * qscale;
+            }
+        } else {
+            for x in 0..d {
+                qt[x * rp + r] = 0.0;
+            }
+        }
+    }
+    o.fill(0.0);
+    m.fill(f32::NEG_INFINITY);
+    l.fill(0.0);
+
+    // This task's share of the keys.
+    let (mut ks, mut ke) = (lo_all, hi_all);
+    if ks < ke && plan.nsplit > 1 {
+        let chunk = (ke - ks).div_ceil(plan.nsplit).next_multiple_of(BK);
+        ks = (lo_all + t.split * chunk).min(hi_all);
+        ke = (ks + chunk).min(hi_all);
+    }
+
+    let (mk, mr) = (S::MR, S::MR);
+    let lanes = S::LANES;
+    let mut j0 = ks;
+    while j0 < ke {
+        let n = BK.min(ke - j0);
+        let mut any = false;
+        for r in 0..rp {
+            a[r] = lo[r].clamp(j0, j0 + n) - j0;
+            e[r] = hi[r].clamp(j0, j0 + n) - j0;
+            if lo[r] >= hi[r] {
+                (a[r], e[r]) = (0, 0);
+            }
+            af[r] = a[r] as f32;
+            ef[r] = e[r] as f32;
+            any |= a[r] < e[r];
+        }
+        if !any {
+            j0 += n;
+            continue;
+        }
+        // Pack the tile once for all rows: the keys any row sees.
+        let ua = (0..rp).filter(|&r| a[r] < e[r]).map(|r| a[r]).min().unwrap_or(0);
+        let ue = (0..rp).map(|r| e[r]).max().unwrap_or(0);
+        for jj in ua..ue {
+            let kr = (c.k_row(t.b, seq, j0 + jj) * hkv + kh) * d;
+            // SAFETY: `S` is present.
+            unsafe {
+                pack_row::<S, T>(&ctx.k[kr..kr + d], d, &mut kp[jj * dp..(jj + 1) * dp]);
+                pack_row::<S, T>(&ctx.v[kr..kr + d], d, &mut vp[jj * dp..(jj + 1) * dp]);
+            }
+        }
+
+        // s = k·qᵀ, per chunk of rows over the keys those rows see, MR keys at a time.
+        let mut r0 = 0;
+        while r0 < rp {
+            let nr = if r0 + 2 * lanes <= rp { 2 } else { 1 };
+            let rr = r0..r0 + nr * lanes;
+            let ca = rr.clone().filter(|&r| a[r] < e[r]).map(|r| a[r]).min();
+            if let Some(ca) = ca {
+                let ce = rr.map(|r| e[r]).max().unwrap_or(0);
+                let dims = (rp, dp, d);
+                // Keys ca..ce in groups of MR (the packed tile has BK rows, a multiple of MR).
+                let mut j = ca / mk * mk;
+                while j < ce {
+                    // SAFETY: j + MR <= BK rows of kp and s; r0 + nr * LANES <= rp.
+                    unsafe {
+                        match (mk, nr) {
+                            (8, 2) => qk::<S, 8, 2>(qt.as_ptr(), kp.as_ptr(), s.as_mut_ptr(), dims, r0, j),
+                            (8, _) => qk::<S, 8, 1>(qt.as_ptr(), kp.as_ptr(), s.as_mut_ptr(), dims, r0, j),
+                            (_, 2) => qk::<S, 4, 2>(qt.as_ptr(), kp.as_ptr(), s.as_mut_ptr(), dims, r0, j),
+                            _ => qk::<S, 4, 1>(qt.as_ptr(), kp.as_ptr(), s.as_mut_ptr(), dims, r0, j),
+                        }
+                    }
+                    j += mk;
+                }
+            }
+            r0 += nr * lanes;
+        }
+
+        // Online softmax down the key axis, a vector of rows at a time.
+        for r0 in (0..rp).step_by(lanes) {
+            let rr = r0..r0 + lanes;
+            let Some(va) = rr.clone().filter(|&r| a[r] < e[r]).map(|r| a[r]).min() else {
+                alpha[r0..r0 + lanes].fill(1.0);
                 continue;
-            }
-            let alpha = (m[r] - m_new).exp();
-            let orow = &mut o[r * d..(r + 1) * d];
-            if alpha != 1.0 {
-                for x in orow.iter_mut() {
-                    *x *= alpha;
-                }
-            }
-            let mut sum = 0.0;
-            for j in a..e {
-                let jj = j - j0;
-                let pj = (s[jj] - m_new).exp();
-                sum += pj;
-                // A zero weight must not multiply a value it cannot see (0 * NaN is NaN).
-                if pj != 0.0 {
-                    for (x, &y) in orow.iter_mut().zip(&vt[jj * d..(jj + 1) * d]) {
-                        *x += pj * y;
+            };
+            let ve = rr.clone().map(|r| e[r]).max().unwrap_or(0);
+            let full = rr.clone().all(|r| a[r] == 0 && e[r] == n);
+            if slow {
+                for j in va..ve {
+                    for r in rr.clone() {
+                        let x = &mut s[j * rp + r];
+                        if j < a[r] || j >= e[r] {
+                            *x = f32::NEG_INFINITY;
+                            continue;
+                        }
+                        let mut y = *x * c.scale;
+                        if let Some(cap) = p.softcap {
+                            y = cap * (y / cap).tanh();
+                        }
+                        y -= slope[r] * (ia[r] - (j0 + j) as f32).abs();
+                        *x = y * log2e;
                     }
                 }
             }
-            l[r] = l[r] * alpha + sum;
-            m[r] = m_new;
+            // SAFETY: every access is a row j < BK of `s` at lanes r0..r0 + LANES <= rp, or
+            // r0..r0 + LANES of the per-row buffers.
+            unsafe {
+                let sp = s.as_mut_ptr();
+                let (avec, evec) = (S::load(af.as_ptr().add(r0)), S::load(ef.as_ptr().add(r0)));
+                let mut mx = S::splat(f32::NEG_INFINITY);
+                if full || slow {
+                    for j in va..ve {
+                        mx = S::max(mx, S::load(sp.add(j * rp + r0)));
+                    }
+                } else {
+                    for j in va..ve {
+                        let x = S::mask_range(S::load(sp.add(j * rp + r0)), j as f32, avec, evec);
+                        S::store(sp.add(j * rp + r0), x);
+                        mx = S::max(mx, x);
+                    }
+                }
+                let m_old = S::load(m.as_ptr().add(r0));
+                let m_new = S::max(m_old, mx);
+                let m_use = S::neg_inf_to_zero(m_new);
+                let al = S::exp2(S::sub(m_old, m_use));
+                let mut sum = S::zero();
+                for j in va..ve {
+                    let x = S::exp2(S::sub(S::load(sp.add(j * rp + r0)), m_use));
+                    S::store(sp.add(j * rp + r0), x);
+                    sum = S::add(sum, x);
+                }
+                S::store(m.as_mut_ptr().add(r0), m_new);
+                S::store(l.as_mut_ptr().add(r0), S::fma(S::load(l.as_ptr().add(r0)), al, sum));
+                S::store(alpha.as_mut_ptr().add(r0), al);
+            }
         }
-        j0 = j1;
+
+        // o = o * alpha + p·v.
+        for r in 0..rows {
+            if alpha[r] != 1.0 {
+                let f = alpha[r];
+                o[r * dp..(r + 1) * dp].iter_mut().for_each(|x| *x *= f);
+            }
+        }
+        let dims = (rp, dp);
+        let (sp, vpp, op) = (s.as_ptr(), vp.as_ptr(), o.as_mut_ptr());
+        for r0 in (0..rows).step_by(mr) {
+            let rr = r0..r0 + mr;
+            let ca = rr.clone().map(|r| a[r]).max().unwrap_or(0);
+            let ce = rr.clone().map(|r| e[r]).min().unwrap_or(0);
+            // SAFETY: keys < n <= BK rows of s and vp; rows r0 + MR <= rp; dp a multiple of LANES.
+            unsafe {
+                if ca < ce {
+                    match mr {
+                        8 => pv_rows::<S, 8>(sp, vpp, op, dims, r0, (ca, ce)),
+                        _ => pv_rows::<S, 4>(sp, vpp, op, dims, r0, (ca, ce)),
+                    }
+                }
+                for r in rr.filter(|&r| r < rows) {
+                    let (ra, re) = (a[r], e[r]);
+                    if ra >= re {
+                        continue;
+                    }
+                    if ca < ce {
+                        if ra < ca {
+                            pv_rows::<S, 1>(sp, vpp, op, dims, r, (ra, ca));
+                        }
+                        if ce < re {
+                            pv_rows::<S, 1>(sp, vpp, op, dims, r, (ce, re));
+                        }
+                    } else {
+                        pv_rows::<S, 1>(sp, vpp, op, dims, r, (ra, re));
+                    }
+                }
+            }
+        }
+        j0 += n;
     }
 
+    // Write the rows: final outputs, or this split's partial slot.
+    if plan.nsplit > 1 {
+        // SAFETY: slot `t.slot` belongs to this task alone and lies inside partial (sized by plan).
+        let slot = unsafe { ctx.partial.slice(t.slot * plan.slot(), plan.slot()) };
+        let prp = plan.rp;
+        slot[..rows].copy_from_slice(&m[..rows]);
+        slot[prp..prp + rows].copy_from_slice(&l[..rows]);
+        for r in 0..rows {
+            slot[2 * prp + r * dp..2 * prp + (r + 1) * dp].copy_from_slice(&o[r * dp..(r + 1) * dp]);
+        }
+        return;
+    }
     for r in 0..rows {
-        let i = i0 + r;
-        let base = ((seq.q_start + i) * hq + h) * d;
-        let (inv, lse_v) = if l[r] > 0.0 { (1.0 / l[r], m[r] + l[r].ln()) } else { (0.0, f32::NEG_INFINITY) };
-        for x in 0..d {
-            let y = if l[r] > 0.0 { o[r * d + x] * inv } else { 0.0 };
-            // SAFETY: row (seq, i, h) belongs to this task alone and `base + x` is inside out.
-            unsafe { out.write(base + x, T::from_f32(y)) };
+        let (qi, hh) = (r / hn, r % hn);
+        let (i, h) = (i0 + qi, h0 + hh);
+        let orow = &o[r * dp..r * dp + d];
+        write_row(ctx, t.b, seq, (i, h), orow, (m[r], l[r]), row);
+    }
+}
+
+/// Normalise and store one output row (and its lse); `m` is in log2 units.
+fn write_row<T: Element>(
+    ctx: &Ctx<'_, T>,
+    b: usize,
+    seq: &Seq,
+    (i, h): (usize, usize),
+    o: &[f32],
+    (m, l): (f32, f32),
+    tmp: &mut [f32],
+) {
+    let c = ctx.c;
+    let d = c.d;
+    let (inv, lse) =
+        if l > 0.0 { (1.0 / l, (m + l.log2()) * std::f32::consts::LN_2) } else { (0.0, f32::NEG_INFINITY) };
+    let tmp = &mut tmp[..d];
+    for (y, &x) in tmp.iter_mut().zip(o) {
+        *y = if l > 0.0 { x * inv } else { 0.0 };
+    }
+    let base = ((seq.q_start + i) * c.hq + h) * d;
+    // SAFETY: row (seq, i, h) of out belongs to this task (or merge group) alone.
+    T::store_row(tmp, unsafe { ctx.out.slice(base, d) });
+    if let Some(ls) = ctx.lse {
+        // SAFETY: lse index (seq, h, i) belongs to this task alone.
+        unsafe { ls.slice(c.lse_index(b, seq, h, i), 1)[0] = lse };
+    }
+}
+
+/// Merge the key splits of group `grp` of sequence `b` (partial slots from `gslot * nsplit`).
+fn merge<T: Element>(ctx: &Ctx<'_, T>, b: usize, seq: &Seq, grp: usize, gslot: usize, sc: &mut Scratch) {
+    let c = ctx.c;
+    let plan = ctx.plan;
+    let (d, dp, prp, ns) = (c.d, plan.dp, plan.rp, plan.nsplit);
+    let g = c.group();
+    let nq = seq.q_len.div_ceil(plan.bq);
+    let (kh, rest) = (grp / (plan.hparts * nq), grp % (plan.hparts * nq));
+    let (hp, qb) = (rest / nq, rest % nq);
+    let h0 = kh * g + hp * plan.hn;
+    let hn = plan.hn.min(g - hp * plan.hn);
+    let i0 = qb * plan.bq;
+    let rows = plan.bq.min(seq.q_len - i0) * hn;
+    let acc = sc.o.get(dp);
+    let tmp = sc.row.get(dp);
+    let size = plan.slot();
+    // SAFETY: the splits' slots of this group are read by this merge alone, after every task joined.
+    let slots = unsafe { ctx.partial.slice(gslot * ns * size, ns * size) };
+    for r in 0..rows {
+        let mmax = (0..ns).map(|x| slots[x * size + r]).fold(f32::NEG_INFINITY, f32::max);
+        acc.fill(0.0);
+        let mut lsum = 0.0;
+        if mmax > f32::NEG_INFINITY {
+            for x in 0..ns {
+                let sl = &slots[x * size..(x + 1) * size];
+                let (ms, ls) = (sl[r], sl[prp + r]);
+                if ls == 0.0 {
+                    continue;
+                }
+                let w = (ms - mmax).exp2();
+                lsum += ls * w;
+                for (y, &z) in acc.iter_mut().zip(&sl[2 * prp + r * dp..2 * prp + (r + 1) * dp]) {
+                    *y += z * w;
+                }
+            }
         }
-        if let Some(ls) = lse {
-            // SAFETY: lse index (seq, h, i) belongs to this task alone and is inside lse.
-            unsafe { ls.write(c.lse_index(b, seq, h, i), lse_v) };
-        }
+        let (qi, hh) = (r / hn, r % hn);
+        write_row(ctx, b, seq, (i0 + qi, h0 + hh), &acc[..d], (mmax, lsum), tmp);
     }
 }

@@ -1,13 +1,36 @@
-//! `cpu`: tiled online-softmax (flash) attention on the host, parallel over sequences, heads and
-//! query blocks with rayon. f16/bf16 inputs are widened to f32 tile by tile; accumulation is f32.
+//! `cpu`: tiled online-softmax (flash) attention on the host, parallel over sequences, GQA
+//! groups, query blocks and (for decode) key splits with rayon. SIMD microkernels for q·kᵀ and
+//! p·v are chosen at run time (AVX-512, AVX2+FMA+F16C, or portable lanes that become NEON on
+//! aarch64); f16/bf16 inputs are widened to f32 in registers as each tile is packed, and
+//! accumulation is f32.
 //!
 //! With caller buffers `forward` allocates nothing once warm: tile scratch lives in per-thread
-//! buffers that grow on first use and are reused after.
+//! buffers, and the key-split partials of decode in a buffer the backend keeps; both grow on first
+//! use and are reused after.
 
 mod kernel;
 mod peak;
+mod simd;
+
+use std::sync::Mutex;
 
 pub use peak::fma_peak_gflops;
+// The kernel on host slices of a validated call, for glue whose tensors own their memory (candle):
+// it runs on their storage without copying it into a `Tensor`.
+// Key-split partials come from a process-wide buffer (grown once), as the glue has no backend.
+#[cfg(feature = "candle")]
+pub(crate) fn run_slices<T: kernel::Element>(
+    c: &Checked<'_>,
+    q: &[T],
+    k: &[T],
+    v: &[T],
+    out: &mut [T],
+    lse: Option<&mut [f32]>,
+) {
+    static PARTIAL: Mutex<Vec<f32>> = Mutex::new(Vec::new());
+    let mut partial = PARTIAL.lock().unwrap_or_else(|e| e.into_inner());
+    kernel::run(c, q, k, v, out, lse, &mut partial)
+}
 
 use crate::backend::{host_memory_impl, AttentionBackend};
 use crate::call::{Capabilities, HeadDims};
@@ -23,13 +46,24 @@ static CPU_CAPS: Capabilities = Capabilities::full(HeadDims::UpTo(MAX_HEAD_DIM))
 /// The cpu backend.
 #[derive(Debug, Default)]
 pub struct CpuBackend {
-    _priv: (),
+    /// Partial (m, l, o) of key splits, grown to the largest call seen.
+    partial: Mutex<Vec<f32>>,
 }
 
 impl CpuBackend {
     /// The cpu backend on rayon's global pool.
     pub fn new() -> Result<Self> {
-        Ok(CpuBackend { _priv: () })
+        Ok(CpuBackend::default())
+    }
+    /// The instruction set the kernel uses on this machine (`avx512`, `avx2+fma`, `portable`).
+    pub fn isa() -> &'static str {
+        match kernel::isa() {
+            #[cfg(target_arch = "x86_64")]
+            kernel::Isa::Avx512 => "avx512",
+            #[cfg(target_arch = "x86_64")]
+            kernel::Isa::Avx2 => "avx2+fma",
+            kernel::Isa::Portable => "portable",
+        }
     }
 }
 
@@ -60,11 +94,17 @@ impl AttentionBackend for CpuBackend {
             None => None,
         };
         let o = out.host_mut().ok_or_else(|| not_host("out"))?;
+        let mut partial = self.partial.lock().unwrap_or_else(|e| e.into_inner());
+        let partial = &mut *partial;
         match (q, k, v, o) {
-            (HostData::F32(q), HostData::F32(k), HostData::F32(v), HostData::F32(o)) => kernel::run(c, q, k, v, o, lse),
-            (HostData::F16(q), HostData::F16(k), HostData::F16(v), HostData::F16(o)) => kernel::run(c, q, k, v, o, lse),
+            (HostData::F32(q), HostData::F32(k), HostData::F32(v), HostData::F32(o)) => {
+                kernel::run(c, q, k, v, o, lse, partial)
+            }
+            (HostData::F16(q), HostData::F16(k), HostData::F16(v), HostData::F16(o)) => {
+                kernel::run(c, q, k, v, o, lse, partial)
+            }
             (HostData::BF16(q), HostData::BF16(k), HostData::BF16(v), HostData::BF16(o)) => {
-                kernel::run(c, q, k, v, o, lse)
+                kernel::run(c, q, k, v, o, lse, partial)
             }
             _ => {
                 return Err(Error::Backend { backend: "cpu", msg: "q, k, v and out must share one float dtype".into() })
