@@ -46,6 +46,8 @@
 
 mod backend;
 mod call;
+#[cfg(feature = "cli")]
+pub mod casefile;
 mod dispatch;
 mod error;
 pub mod reference;
