@@ -7,6 +7,12 @@ shift || true
 echo "attnkit bundle $(cat "$here/COMMIT" 2>/dev/null) on $(hostname): $cmd $*"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 export RUST_BACKTRACE=1
+# cudarc opens libnvrtc.so.13 (or libnvrtc.so) by name: put one on the loader path if needed.
+if ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so'; then
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cu13", "lib") for p in nvidia.__path__))' 2>/dev/null); do
+    if ls "$d"/libnvrtc.so* >/dev/null 2>&1; then export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; echo "NVRTC from $d"; break; fi
+  done
+fi
 case "$cmd" in
   tests)
     rc=0

@@ -1,0 +1,293 @@
+// FlashAttention-2-style forward on the tensor cores, f16 and bf16 (sm_80 and later).
+//
+// A CTA owns BM query rows that read one kv head: row r = i * group + hh packs the queries i of
+// a sequence with the heads hh of its GQA group, so a K/V tile is loaded once for the group.
+// NW warps split the rows (16 * MT each). K and V tiles of BN keys stream through shared memory
+// with cp.async, double-buffered; S = Q K^T and O += P V run on mma.sync m16n8k16 with operands
+// from ldmatrix; the online softmax stays in registers (P never leaves them); tiles no row can
+// see are never loaded. Shared tiles are XOR-swizzled in 16-byte chunks so ldmatrix and the
+// async copies are free of bank conflicts.
+//
+// Macros: ATTN_DTYPE (1 f16, 2 bf16), DPAD (32, 64, 128, 192 or 256; d <= DPAD, the rest of the
+// row is zero-filled), BM, BN, NW (kernel traits chosen on the host, see kernel.rs).
+
+#define NT (NW * 32)
+#define MT (BM / (16 * NW))
+#define NCH (DPAD / 8)
+#define NTN (BN / 8)
+#define NTD (DPAD / 8)
+#define KSTEPS (DPAD / 16)
+
+#if ATTN_DTYPE == 1
+#define MMA_AB "f16.f16"
+#else
+#define MMA_AB "bf16.bf16"
+#endif
+
+__device__ __forceinline__ int swz(int row, int c) {
+#if NCH >= 8
+    return c ^ (row & 7);
+#else
+    return c ^ ((row >> 1) & 3);
+#endif
+}
+__device__ __forceinline__ u32 tile_addr(u32 base, int row, int c) { return base + (u32)(row * NCH + swz(row, c)) * 16u; }
+
+__device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
+    const int n = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(n));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+__device__ __forceinline__ void ldsm_x4(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(u32 addr, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(addr));
+}
+__device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." MMA_AB ".f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                 : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+extern "C" __global__ void __launch_bounds__(NT, 1) attn_mma(const AttnParams p) {
+    extern __shared__ unsigned char smem_raw[];
+    __shared__ int s_lo, s_hi;
+    const u32 sQ = smem_u32(smem_raw);
+    const u32 sK = sQ + BM * DPAD * 2;
+    const u32 sV = sK + 2 * BN * DPAD * 2;
+    const u32 stage_bytes = BN * DPAD * 2;
+
+    const int kvh = blockIdx.y, b = blockIdx.z;
+    // Longest (causal) row blocks first: they finish last otherwise.
+    const int mblk = gridDim.x - 1 - blockIdx.x;
+    const SeqInfo s = seq_info(p, b);
+    const int R = s.q_len * p.group;
+    const int m0 = mblk * BM;
+    if (m0 >= R) return;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+    const int d = p.d, dch = d >> 3;
+    const elem_t* qg = (const elem_t*)p.q;
+    const elem_t* kg = (const elem_t*)p.k;
+    const elem_t* vg = (const elem_t*)p.v;
+
+    for (int idx = tid; idx < BM * NCH; idx += NT) {
+        const int row = idx / NCH, c = idx % NCH;
+        const int m = m0 + row;
+        const bool ok = m < R && c < dch;
+        const elem_t* src = qg;
+        if (ok) {
+            const int i = m / p.group, h = kvh * p.group + m % p.group;
+            src = qg + (i64)(s.q_start + i) * p.q_stride + (i64)h * d + c * 8;
+        }
+        cp_async16(tile_addr(sQ, row, c), src, ok);
+    }
+
+    if (tid == 0) {
+        s_lo = ATTN_INT_MAX;
+        s_hi = 0;
+    }
+    __syncthreads();
+    int rlo[MT][2], rhi[MT][2], ria[MT][2];
+    float rslope[MT][2];
+    int t_lo_max = 0, t_hi_min = ATTN_INT_MAX;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            const int m = m0 + warp * MT * 16 + mt * 16 + hf * 8 + (lane >> 2);
+            int lo = 0, hi = 0, ia = 0;
+            float sl = 0.f;
+            if (m < R) {
+                const int i = m / p.group, h = kvh * p.group + m % p.group;
+                key_range(p, s, i, lo, hi);
+                ia = i + s.k_len - s.q_len;
+                sl = p.alibi ? p.alibi[h] : 0.f;
+            }
+            rlo[mt][hf] = lo;
+            rhi[mt][hf] = hi;
+            ria[mt][hf] = ia;
+            rslope[mt][hf] = sl;
+            t_lo_max = max(t_lo_max, lo);
+            t_hi_min = min(t_hi_min, hi);
+            if (hi > lo) {
+                atomicMin(&s_lo, lo);
+                atomicMax(&s_hi, hi);
+            }
+        }
+    }
+    __syncthreads();
+    const int klo = s_lo, khi = s_hi;
+    const bool post = p.softcap > 0.f || p.alibi != 0;
+
+    float O[MT][NTD][4];
+    float rm[MT][2], rl[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int nt = 0; nt < NTD; ++nt) O[mt][nt][0] = O[mt][nt][1] = O[mt][nt][2] = O[mt][nt][3] = 0.f;
+        rm[mt][0] = rm[mt][1] = -ATTN_INF;
+        rl[mt][0] = rl[mt][1] = 0.f;
+    }
+
+    if (klo < khi) {
+        const int nb0 = klo / BN, nb1 = (khi + BN - 1) / BN;
+        auto load_kv = [&](int nb, int st) {
+            const int n0 = nb * BN;
+            for (int idx = tid; idx < BN * NCH; idx += NT) {
+                const int row = idx / NCH, c = idx % NCH;
+                const int t = n0 + row;
+                const bool ok = t < s.k_len && c < dch;
+                i64 off = 0;
+                if (ok) off = kv_row(p, b, s, t) * p.kv_stride + (i64)kvh * d + c * 8;
+                cp_async16(tile_addr(sK + st * stage_bytes, row, c), kg + off, ok);
+                cp_async16(tile_addr(sV + st * stage_bytes, row, c), vg + off, ok);
+            }
+        };
+        load_kv(nb0, 0);
+        cp_async_commit();
+        for (int nb = nb0; nb < nb1; ++nb) {
+            const int st = (nb - nb0) & 1;
+            if (nb + 1 < nb1) {
+                load_kv(nb + 1, st ^ 1);
+                cp_async_commit();
+                cp_async_wait<1>();
+            } else {
+                cp_async_wait<0>();
+            }
+            __syncthreads();
+            const u32 kbase = sK + st * stage_bytes, vbase = sV + st * stage_bytes;
+
+            float S[MT][NTN][4];
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+                for (int nt = 0; nt < NTN; ++nt) S[mt][nt][0] = S[mt][nt][1] = S[mt][nt][2] = S[mt][nt][3] = 0.f;
+#pragma unroll
+            for (int ks = 0; ks < KSTEPS; ++ks) {
+                u32 a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
+                    ldsm_x4(tile_addr(sQ, warp * MT * 16 + mt * 16 + (lane & 15), ks * 2 + (lane >> 4)), a[mt][0], a[mt][1],
+                            a[mt][2], a[mt][3]);
+#pragma unroll
+                for (int np = 0; np < BN / 16; ++np) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4(tile_addr(kbase, np * 16 + (lane & 7) + ((lane >> 4) << 3), ks * 2 + ((lane >> 3) & 1)), b0, b1, b2,
+                            b3);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816(S[mt][2 * np], a[mt], b0, b1);
+                        mma16816(S[mt][2 * np + 1], a[mt], b2, b3);
+                    }
+                }
+            }
+
+            const int n0 = nb * BN;
+            const bool need = n0 < t_lo_max || n0 + BN > t_hi_min;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+                for (int hf = 0; hf < 2; ++hf) {
+                    float mx = -ATTN_INF;
+#pragma unroll
+                    for (int nt = 0; nt < NTN; ++nt) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const int j = n0 + nt * 8 + 2 * (lane & 3) + e;
+                            float x = S[mt][nt][hf * 2 + e];
+                            if (post) {
+                                x = score_post(p, x * p.scale, rslope[mt][hf], ria[mt][hf], j) * ATTN_LOG2E;
+                            } else {
+                                x *= p.scale_log2;
+                            }
+                            if (need && !(j >= rlo[mt][hf] && j < rhi[mt][hf])) x = -ATTN_INF;
+                            S[mt][nt][hf * 2 + e] = x;
+                            mx = fmaxf(mx, x);
+                        }
+                    }
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                    const float m_new = fmaxf(rm[mt][hf], mx);
+                    const float m_use = m_new == -ATTN_INF ? 0.f : m_new;
+                    const float alpha = exp2f(rm[mt][hf] - m_use);
+                    rm[mt][hf] = m_new;
+                    float ls = 0.f;
+#pragma unroll
+                    for (int nt = 0; nt < NTN; ++nt) {
+#pragma unroll
+                        for (int e = 0; e < 2; ++e) {
+                            const float pv = exp2f(S[mt][nt][hf * 2 + e] - m_use);
+                            S[mt][nt][hf * 2 + e] = pv;
+                            ls += pv;
+                        }
+                    }
+                    rl[mt][hf] = rl[mt][hf] * alpha + ls;
+#pragma unroll
+                    for (int nt = 0; nt < NTD; ++nt) {
+                        O[mt][nt][hf * 2] *= alpha;
+                        O[mt][nt][hf * 2 + 1] *= alpha;
+                    }
+                }
+            }
+
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                u32 a[MT][4];
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) {
+                    a[mt][0] = pack2(S[mt][2 * kk][0], S[mt][2 * kk][1]);
+                    a[mt][1] = pack2(S[mt][2 * kk][2], S[mt][2 * kk][3]);
+                    a[mt][2] = pack2(S[mt][2 * kk + 1][0], S[mt][2 * kk + 1][1]);
+                    a[mt][3] = pack2(S[mt][2 * kk + 1][2], S[mt][2 * kk + 1][3]);
+                }
+#pragma unroll
+                for (int dp = 0; dp < DPAD / 16; ++dp) {
+                    u32 b0, b1, b2, b3;
+                    ldsm_x4_t(tile_addr(vbase, kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 2 + (lane >> 4)), b0, b1,
+                              b2, b3);
+#pragma unroll
+                    for (int mt = 0; mt < MT; ++mt) {
+                        mma16816(O[mt][2 * dp], a[mt], b0, b1);
+                        mma16816(O[mt][2 * dp + 1], a[mt], b2, b3);
+                    }
+                }
+            }
+            __syncthreads();
+        }
+    } else {
+        cp_async_commit();
+        cp_async_wait<0>();
+    }
+
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+        for (int hf = 0; hf < 2; ++hf) {
+            float l = rl[mt][hf];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            const int m = m0 + warp * MT * 16 + mt * 16 + hf * 8 + (lane >> 2);
+            if (m < R) {
+                const int i = m / p.group, h = kvh * p.group + m % p.group;
+                const float inv = l > 0.f ? 1.f / l : 0.f;
+                elem_t* og = (elem_t*)p.o + (i64)(s.q_start + i) * p.q_stride + (i64)h * d;
+#pragma unroll
+                for (int nt = 0; nt < NTD; ++nt) {
+                    const int col = nt * 8 + 2 * (lane & 3);
+                    if (col < d) *(u32*)(og + col) = pack2(O[mt][nt][hf * 2] * inv, O[mt][nt][hf * 2 + 1] * inv);
+                }
+                if (p.lse && (lane & 3) == 0)
+                    p.lse[lse_index(p, b, s, h, i)] = l > 0.f ? (rm[mt][hf] + log2f(l)) * ATTN_LN2 : -ATTN_INF;
+            }
+        }
+    }
+}

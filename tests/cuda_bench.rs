@@ -1,0 +1,191 @@
+//! CUDA timings with CUDA events on the standard shapes (run explicitly on a GPU):
+//!
+//!   cargo test --release --features cuda --test cuda_bench -- --ignored --nocapture
+//!
+//! Prefill: batch * seqlen = 16k tokens, hidden 2048, heads = 2048 / hdim (FlashAttention's
+//! benchmark shapes; FLOPs = 4 b h s^2 d, halved when causal). Decode: q_len 1, 32 query heads,
+//! hdim 128, bf16, paged blocks of 16; figure = bytes of K and V read / time.
+//! ATTNKIT_BENCH_SWEEP=1 also times other tile shapes of the tensor-core kernel.
+//! Writes JSON lines to $OUT/cuda_bench.jsonl when OUT is set.
+#![cfg(feature = "cuda")]
+
+use attnkit::cuda::CudaBackend;
+use attnkit::{AttentionBackend, AttnCall, DType, Tensor};
+use std::io::Write;
+
+fn data(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 11) as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+        })
+        .collect()
+}
+
+fn rand(be: &CudaBackend, shape: &[usize], dtype: DType, seed: u64) -> Tensor {
+    let n = shape.iter().product();
+    be.upload(&Tensor::from_f32(shape, dtype, &data(n, seed)).unwrap()).unwrap()
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+/// Median over 7 event-timed batches of `iters` calls, after 3 warm-up calls.
+fn time(be: &CudaBackend, iters: usize, f: &mut dyn FnMut()) -> f64 {
+    for _ in 0..3 {
+        f();
+    }
+    be.synchronize().unwrap();
+    let v: Vec<f64> = (0..7)
+        .map(|_| {
+            be.time_ms(iters, || {
+                f();
+                Ok(())
+            })
+            .unwrap()
+        })
+        .collect();
+    median(v)
+}
+
+fn log(line: String) {
+    println!("{line}");
+    if let Ok(dir) = std::env::var("OUT") {
+        if let Ok(mut f) = std::fs::OpenOptions::new().create(true).append(true).open(format!("{dir}/cuda_bench.jsonl"))
+        {
+            let _ = writeln!(f, "{line}");
+        }
+    }
+}
+
+fn rel_err(a: &[f64], b: &[f64]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (x - y) * (x - y)).sum();
+    let den: f64 = b.iter().map(|y| y * y).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn prefill(be: &CudaBackend, dtype: DType, d: usize, s: usize, causal: bool, tile: Option<&str>, check: bool) {
+    let (b, h) = (16384 / s, 2048 / d);
+    let q = rand(be, &[b, s, h, d], dtype, 1);
+    let k = rand(be, &[b, s, h, d], dtype, 2);
+    let v = rand(be, &[b, s, h, d], dtype, 3);
+    let mut out = be.alloc(&[b, s, h, d], dtype).unwrap();
+    match tile {
+        Some(t) => std::env::set_var("ATTNKIT_CUDA_TILE", t),
+        None => std::env::remove_var("ATTNKIT_CUDA_TILE"),
+    }
+    let call = AttnCall::dense(&q, &k, &v).causal(causal);
+    let t0 = std::time::Instant::now();
+    be.forward(&call, Some(&mut out), None).unwrap();
+    be.synchronize().unwrap();
+    let first_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let ms = time(be, 10, &mut || {
+        be.forward(&call, Some(&mut out), None).unwrap();
+    });
+    let flops = 4.0 * (b * h * s * s * d) as f64 / if causal { 2.0 } else { 1.0 };
+    let tf = flops / ms / 1e9;
+    let mut err = -1.0;
+    if check {
+        // Against the CUDA-core kernel on the same inputs (the conformance suite checks both
+        // against the f64 reference on small shapes).
+        std::env::set_var("ATTNKIT_CUDA_KERNEL", "simt");
+        let be2 = CudaBackend::new().unwrap();
+        std::env::remove_var("ATTNKIT_CUDA_KERNEL");
+        let mut o2 = be.alloc(&[b, s, h, d], dtype).unwrap();
+        be.synchronize().unwrap();
+        be2.forward(&AttnCall::dense(&q, &k, &v).causal(causal), Some(&mut o2), None).unwrap();
+        be2.synchronize().unwrap();
+        let a = be.download(&out).unwrap().to_f64_vec().unwrap();
+        let r = be.download(&o2).unwrap().to_f64_vec().unwrap();
+        err = rel_err(&a, &r);
+        assert!(err < 1e-2, "tensor-core vs CUDA-core relative error {err}");
+    }
+    std::env::remove_var("ATTNKIT_CUDA_TILE");
+    log(format!(
+        "{{\"kind\":\"prefill\",\"dtype\":\"{dtype}\",\"hdim\":{d},\"seqlen\":{s},\"causal\":{causal},\"tile\":\"{}\",\"plan\":\"{:?}\",\"ms\":{ms:.4},\"tflops\":{tf:.1},\"first_call_ms\":{first_ms:.1},\"rel_err_vs_simt\":{err:.2e}}}",
+        tile.unwrap_or("default"),
+        be.plan(&attnkit::validate(&call, be.device(), "cuda", None, None).unwrap())
+    ));
+}
+
+fn decode(be: &CudaBackend, b: usize, hq: usize, hkv: usize, sk: usize) {
+    let (d, bs, dtype) = (128, 16, DType::BF16);
+    let per = sk.div_ceil(bs);
+    let nblk = b * per;
+    let q = rand(be, &[b, hq, d], dtype, 4);
+    let kc = rand(be, &[nblk, bs, hkv, d], dtype, 5);
+    let vc = rand(be, &[nblk, bs, hkv, d], dtype, 6);
+    // Blocks of each sequence scattered over the cache.
+    let table: Vec<i32> = (0..nblk).map(|i| ((i * 7919) % nblk) as i32).collect();
+    let cu: Vec<i32> = (0..=b as i32).collect();
+    let lens = vec![sk as i32; b];
+    let mut out = be.alloc(&[b, hq, d], dtype).unwrap();
+    let call = AttnCall::paged(&q, &kc, &vc, &cu, &table, per, &lens);
+    be.forward(&call, Some(&mut out), None).unwrap();
+    let ms = time(be, 20, &mut || {
+        be.forward(&call, Some(&mut out), None).unwrap();
+    });
+    let bytes = (2 * b * sk * hkv * d * 2) as f64;
+    let plan = be.plan(&attnkit::validate(&call, be.device(), "cuda", None, None).unwrap());
+    log(format!(
+        "{{\"kind\":\"decode\",\"batch\":{b},\"hq\":{hq},\"hkv\":{hkv},\"kv_len\":{sk},\"ms\":{ms:.4},\"gbps\":{:.0},\"plan\":\"{plan:?}\"}}",
+        bytes / ms / 1e6
+    ));
+}
+
+#[test]
+#[ignore = "GPU benchmark: run with --ignored on a CUDA machine"]
+fn bench_standard_shapes() {
+    let be = CudaBackend::new().expect("a CUDA device");
+    let sweep = std::env::var("ATTNKIT_BENCH_SWEEP").map(|v| v == "1").unwrap_or(false);
+    println!("device {} ({} SMs)", be.arch(), be.sm_count());
+    for d in [64, 128, 256] {
+        for causal in [false, true] {
+            for s in [2048, 8192] {
+                prefill(&be, DType::BF16, d, s, causal, None, s == 2048);
+            }
+        }
+    }
+    prefill(&be, DType::F16, 128, 8192, false, None, false);
+    prefill(&be, DType::F32, 128, 2048, false, None, false);
+    for (b, sk) in [(1, 65536), (16, 4096), (64, 1024), (64, 4096)] {
+        decode(&be, b, 32, 32, sk);
+    }
+    decode(&be, 64, 32, 8, 4096);
+    if sweep {
+        for (d, tiles) in [
+            (64, &["128,64,4", "128,128,4", "64,64,4", "128,32,4"][..]),
+            (128, &["128,64,4", "128,32,4", "64,64,4", "128,64,8", "128,128,8", "64,128,4"][..]),
+            (256, &["128,64,8", "64,64,4", "128,32,8", "64,32,4"][..]),
+        ] {
+            for t in tiles {
+                for causal in [false, true] {
+                    prefill(&be, DType::BF16, d, 8192, causal, Some(t), false);
+                }
+            }
+        }
+    }
+    for k in be.loaded_kernels() {
+        log(format!(
+            "{{\"kind\":\"kernel\",\"key\":\"{}\",\"regs\":{},\"local_bytes\":{},\"static_smem\":{},\"cached\":{},\"load_ms\":{:.1}}}",
+            k.key, k.regs, k.local_bytes, k.static_smem, k.cached, k.load_ms
+        ));
+    }
+    // A second backend in this process loads every kernel from the disk cache: the warm start.
+    let t0 = std::time::Instant::now();
+    let be2 = CudaBackend::new().unwrap();
+    let q = rand(&be2, &[1, 128, 16, 128], DType::BF16, 9);
+    let call = AttnCall::dense(&q, &q, &q).causal(true);
+    be2.forward(&call, None, None).unwrap();
+    be2.synchronize().unwrap();
+    log(format!(
+        "{{\"kind\":\"warm_start\",\"ms\":{:.1},\"kernels\":{:?}}}",
+        t0.elapsed().as_secs_f64() * 1e3,
+        be2.loaded_kernels().iter().map(|k| (k.key.clone(), k.cached, k.load_ms)).collect::<Vec<_>>()
+    ));
+}
