@@ -46,6 +46,8 @@
 
 mod backend;
 mod call;
+#[cfg(feature = "candle")]
+pub mod candle;
 #[cfg(feature = "cli")]
 pub mod casefile;
 mod dispatch;
