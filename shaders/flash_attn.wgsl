@@ -21,6 +21,9 @@ const R: u32 = 4u; // threads per row
 const WG: u32 = BQ * R;
 const D4: u32 = D / 4u;
 const NV: u32 = (D4 + R - 1u) / R;
+// Row strides of the Q and K tiles, padded by one vec4 so that the rows a warp reads at once
+// fall in different banks.
+const QS: u32 = D4 + 1u;
 // A finite "minus infinity": WGSL implementations may assume finite math, so the running max
 // starts here, fully masked rows are detected by l == 0, and true -inf is only ever stored.
 const NEG: f32 = -3.0e38;
@@ -57,8 +60,8 @@ const M_OFF_ALIBI: u32 = 20u;
 @group(0) @binding(6) var<storage, read_write> part_o: array<vec4<f32>>;
 @group(0) @binding(7) var<storage, read_write> part_lse: array<f32>;
 
-var<workgroup> qs: array<vec4<f32>, BQ * D4>;
-var<workgroup> ks: array<vec4<f32>, BK * D4>;
+var<workgroup> qs: array<vec4<f32>, BQ * QS>;
+var<workgroup> ks: array<vec4<f32>, BK * QS>;
 var<workgroup> vs: array<vec4<f32>, BK * D4>;
 var<workgroup> ss: array<f32, BQ * BK>;
 
@@ -244,7 +247,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let hh = kh * g + pr % g;
             val = load_q(((s.q0 + pr / g) * hq + hh) * D + (x % D4) * 4u);
         }
-        qs[x] = val;
+        qs[(x / D4) * QS + x % D4] = val;
     }
 
     var m = NEG;
@@ -265,7 +268,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 kv = load_k(e);
                 vv = load_v(e);
             }
-            ks[x] = kv;
+            ks[(x / D4) * QS + x % D4] = kv;
             vs[x] = vv;
         }
         workgroupBarrier();
@@ -275,7 +278,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let jj = t + n * R;
             var acc = 0.0;
             for (var c = 0u; c < D4; c++) {
-                acc += dot(qs[r * D4 + c], ks[jj * D4 + c]);
+                acc += dot(qs[r * QS + c], ks[jj * QS + c]);
             }
             var sc = scale * acc;
             if (cap > 0.0) {

@@ -29,7 +29,8 @@ const HEADER: usize = 24;
 
 /// Workgroup memory of the flash kernel for head dim `d` and key tile `bk`, in bytes.
 fn wg_bytes(d: usize, bk: usize) -> usize {
-    (BQ * d + 2 * bk * d + BQ * bk) * 4
+    // Q and K rows are padded by one vec4 (bank conflicts); V is not.
+    (BQ * (d + 4) + bk * (d + 4) + bk * d + BQ * bk) * 4
 }
 
 /// The key tile for head dim `d` under `limit` bytes of workgroup memory.

@@ -194,6 +194,11 @@ impl WgpuBackend {
         &self.ctx.adapter_name
     }
 
+    /// The limits the device was opened with.
+    pub fn limits(&self) -> &::wgpu::Limits {
+        &self.ctx.limits
+    }
+
     /// Wrap a caller's buffer as a tensor of this backend. The buffer needs usage `STORAGE` (and
     /// `COPY_SRC`/`COPY_DST` for download/write) and at least `shape.product() * dtype.size()` bytes
     /// rounded up to a multiple of 4.

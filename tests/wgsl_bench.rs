@@ -1,0 +1,178 @@
+//! Timing of the wgpu backend, against the cuda backend in the same run when that is compiled in
+//! and finds a device. Ignored by default (run with `--ignored --nocapture`); `ATTNKIT_BENCH_QUICK=1`
+//! shrinks every shape for a smoke run on a software adapter.
+//!
+//! Every timed call writes into preallocated caller buffers; inputs are random (never zeros);
+//! the device is synchronised before the clock stops; the figure is the median of 5 repetitions.
+#![cfg(feature = "wgpu")]
+
+mod common;
+
+use std::time::Instant;
+
+use attnkit::{AttentionBackend, AttnCall, DType, Tensor};
+use common::Rng;
+
+struct Shape {
+    dtype: DType,
+    b: usize,
+    hq: usize,
+    hkv: usize,
+    sq: usize,
+    sk: usize,
+    d: usize,
+    causal: bool,
+    /// Paged decode with this block size (sq must be 1); 0 = dense.
+    block: usize,
+}
+
+impl Shape {
+    fn name(&self) -> String {
+        let layout = if self.block == 0 { "dense".to_string() } else { format!("paged{}", self.block) };
+        format!(
+            "{} {layout}{} B{} Hq{}/Hkv{} Sq{} Sk{} D{}",
+            self.dtype,
+            if self.causal { " causal" } else { "" },
+            self.b,
+            self.hq,
+            self.hkv,
+            self.sq,
+            self.sk,
+            self.d
+        )
+    }
+    fn flops(&self) -> f64 {
+        let pairs = if self.causal && self.sq == self.sk {
+            (self.sq * (self.sq + 1) / 2) as f64
+        } else {
+            (self.sq * self.sk) as f64
+        };
+        4.0 * (self.b * self.hq) as f64 * pairs * self.d as f64
+    }
+    /// Bytes of K and V read once (the decode figure of merit).
+    fn kv_bytes(&self) -> f64 {
+        2.0 * (self.b * self.sk * self.hkv * self.d * self.dtype.size()) as f64
+    }
+}
+
+fn random(shape: &[usize], dtype: DType, rng: &mut Rng) -> Tensor {
+    let n: usize = shape.iter().product();
+    Tensor::from_f64(shape, dtype, &rng.vec(n, 1.5)).unwrap()
+}
+
+/// Median seconds per call.
+fn time(be: &dyn AttentionBackend, s: &Shape, rng: &mut Rng) -> attnkit::Result<f64> {
+    let (b, hq, hkv, sq, sk, d) = (s.b, s.hq, s.hkv, s.sq, s.sk, s.d);
+    let q = be.upload(&random(&[b, sq, hq, d], s.dtype, rng))?;
+    let (k, v, cu_q, bt, sl, max_blocks);
+    if s.block == 0 {
+        k = be.upload(&random(&[b, sk, hkv, d], s.dtype, rng))?;
+        v = be.upload(&random(&[b, sk, hkv, d], s.dtype, rng))?;
+        cu_q = vec![];
+        bt = vec![];
+        sl = vec![];
+        max_blocks = 0;
+    } else {
+        max_blocks = sk.div_ceil(s.block);
+        let nb = b * max_blocks;
+        k = be.upload(&random(&[nb, s.block, hkv, d], s.dtype, rng))?;
+        v = be.upload(&random(&[nb, s.block, hkv, d], s.dtype, rng))?;
+        cu_q = (0..=b as i32).map(|i| i * sq as i32).collect::<Vec<_>>();
+        // A shuffled block table: pages of one sequence are not contiguous.
+        let mut perm: Vec<i32> = (0..nb as i32).collect();
+        for i in (1..perm.len()).rev() {
+            perm.swap(i, rng.below(i + 1));
+        }
+        bt = perm;
+        sl = vec![sk as i32; b];
+    }
+    let q2;
+    let q = if s.block == 0 {
+        &q
+    } else {
+        q2 = be.upload(&random(&[b * sq, hq, d], s.dtype, rng))?;
+        &q2
+    };
+    let call = if s.block == 0 {
+        AttnCall::dense(q, &k, &v).causal(s.causal)
+    } else {
+        AttnCall::paged(q, &k, &v, &cu_q, &bt, max_blocks, &sl).causal(s.causal)
+    };
+    let mut out = be.alloc(q.shape(), s.dtype)?;
+    be.forward(&call, Some(&mut out), None)?; // warm-up: compile, allocate scratch
+    be.synchronize()?;
+    let t0 = Instant::now();
+    be.forward(&call, Some(&mut out), None)?;
+    be.synchronize()?;
+    let once = t0.elapsed().as_secs_f64();
+    let iters = ((0.3 / once) as usize).clamp(1, 200);
+    let mut reps = Vec::new();
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        for _ in 0..iters {
+            be.forward(&call, Some(&mut out), None)?;
+        }
+        be.synchronize()?;
+        reps.push(t0.elapsed().as_secs_f64() / iters as f64);
+    }
+    reps.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    Ok(reps[2])
+}
+
+#[test]
+#[ignore]
+fn bench() {
+    let quick = std::env::var("ATTNKIT_BENCH_QUICK").is_ok();
+    let div = if quick { 16 } else { 1 };
+    let prefill = |dtype, causal| Shape {
+        dtype,
+        b: 4,
+        hq: 16,
+        hkv: 16,
+        sq: 4096 / div,
+        sk: 4096 / div,
+        d: 128,
+        causal,
+        block: 0,
+    };
+    let decode =
+        |hkv| Shape { dtype: DType::F16, b: 16, hq: 32, hkv, sq: 1, sk: 4096 / div, d: 128, causal: true, block: 16 };
+    let shapes = [
+        prefill(DType::F16, false),
+        prefill(DType::BF16, false),
+        prefill(DType::F32, false),
+        prefill(DType::F16, true),
+        decode(32),
+        decode(8),
+    ];
+    let wgpu = attnkit::wgpu::WgpuBackend::new().expect("wgpu adapter");
+    eprintln!(
+        "wgpu adapter: {}, workgroup memory {} bytes, head dims {}",
+        wgpu.adapter_name(),
+        wgpu.limits().max_compute_workgroup_storage_size,
+        wgpu.capabilities().head_dims
+    );
+    let cuda = attnkit::by_name("cuda").ok();
+    let mut rng = Rng::new(1);
+    eprintln!("| shape | wgpu ms | wgpu TFLOP/s | wgpu KV GB/s | cuda ms | wgpu/cuda time |");
+    eprintln!("|---|---|---|---|---|---|");
+    for s in &shapes {
+        let tw = match time(&wgpu, s, &mut rng) {
+            Ok(t) => t,
+            Err(e) => {
+                eprintln!("| {} | error: {e} |", s.name());
+                continue;
+            }
+        };
+        let tc = cuda.as_ref().and_then(|c| time(&**c, s, &mut rng).ok());
+        eprintln!(
+            "| {} | {:.3} | {:.2} | {:.0} | {} | {} |",
+            s.name(),
+            tw * 1e3,
+            s.flops() / tw / 1e12,
+            s.kv_bytes() / tw / 1e9,
+            tc.map(|t| format!("{:.3}", t * 1e3)).unwrap_or("-".into()),
+            tc.map(|t| format!("{:.2}", tw / t)).unwrap_or("-".into()),
+        );
+    }
+}
