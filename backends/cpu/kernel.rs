@@ -200,9 +200,11 @@ pub(crate) struct Plan {
     bq: usize,
     hn: usize,
     hparts: usize,
+    /// kv heads per task.
+    nh: usize,
     nsplit: usize,
     dp: usize,
-    /// Rows of a task rounded up to the lane count.
+    /// Rows of a partial slot (rows of a task, all its kv heads), rounded up to the lane count.
     rp: usize,
 }
 
@@ -212,13 +214,17 @@ impl Plan {
         let hn = g.min(ROWS);
         let hparts = g.div_ceil(hn);
         let bq = (ROWS / hn).max(1).min(c.max_q.max(1));
-        let groups: usize = (0..c.batch).map(|b| c.seq(b).q_len.div_ceil(bq)).sum::<usize>() * c.hkv * hparts;
+        // Few rows per kv head (decode): a task takes several kv heads, so it reads whole token
+        // rows (every head of a token is adjacent) instead of a short strided run per head.
+        let nh = (ROWS / (bq * hn)).clamp(1, c.hkv);
+        let groups: usize =
+            (0..c.batch).map(|b| c.seq(b).q_len.div_ceil(bq)).sum::<usize>() * c.hkv.div_ceil(nh) * hparts;
         // Fewer tasks than a few per thread: split the keys (flash-decoding), at least two tiles each.
         let want = 4 * rayon::current_num_threads();
         let nsplit = if groups > 0 && groups < want { want.div_ceil(groups).min(c.max_k / (2 * BK)).max(1) } else { 1 };
         let dp = c.d.next_multiple_of(MAX_LANES);
-        let rp = (bq * hn).next_multiple_of(MAX_LANES);
-        Plan { bq, hn, hparts, nsplit, dp, rp }
+        let rp = (nh * bq * hn).next_multiple_of(MAX_LANES);
+        Plan { bq, hn, hparts, nh, nsplit, dp, rp }
     }
     /// f32 elements of one partial slot: m and l per row, then o.
     fn slot(&self) -> usize {
@@ -232,7 +238,7 @@ impl Plan {
         self.groups_before(c, c.batch) * self.nsplit * self.slot()
     }
     fn groups_of(&self, c: &Checked<'_>, seq: &Seq) -> usize {
-        c.hkv * self.hparts * seq.q_len.div_ceil(self.bq)
+        c.hkv.div_ceil(self.nh) * self.hparts * seq.q_len.div_ceil(self.bq)
     }
     fn groups_before(&self, c: &Checked<'_>, b: usize) -> usize {
         (0..b).map(|x| self.groups_of(c, &c.seq(x))).sum()
@@ -468,6 +474,44 @@ unsafe fn pv_rows<S: Simd, const MR: usize>(
     }
 }
 
+/// Where a group's rows are: kv heads `kh0..kh0 + nkh`, query heads `hs..hs + hn` of each of their
+/// groups (offsets within the group), query positions `i0..i0 + ni`.
+struct Rows {
+    kh0: usize,
+    nkh: usize,
+    hs: usize,
+    hn: usize,
+    i0: usize,
+    ni: usize,
+}
+
+impl Rows {
+    fn of(c: &Checked<'_>, plan: &Plan, seq: &Seq, grp: usize) -> Rows {
+        let nq = seq.q_len.div_ceil(plan.bq);
+        let per_kv = plan.hparts * nq;
+        let (khp, rest) = (grp / per_kv, grp % per_kv);
+        let (hp, qb) = (rest / nq, rest % nq);
+        let kh0 = khp * plan.nh;
+        let i0 = qb * plan.bq;
+        Rows {
+            kh0,
+            nkh: plan.nh.min(c.hkv - kh0),
+            hs: hp * plan.hn,
+            hn: plan.hn.min(c.group() - hp * plan.hn),
+            i0,
+            ni: plan.bq.min(seq.q_len - i0),
+        }
+    }
+    /// Rows per kv head.
+    fn per_head(&self) -> usize {
+        self.ni * self.hn
+    }
+    /// (query position, query head) of row `r` of kv head `kh0 + x`.
+    fn at(&self, c: &Checked<'_>, x: usize, r: usize) -> (usize, usize) {
+        (self.i0 + r / self.hn, (self.kh0 + x) * c.group() + self.hs + r % self.hn)
+    }
+}
+
 /// One task.
 ///
 /// # Safety
@@ -478,68 +522,66 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
     let plan = ctx.plan;
     let p = &c.call.params;
     let (d, dp, hq, hkv) = (c.d, plan.dp, c.hq, c.hkv);
-    let g = c.group();
     let seq = &t.seq;
-    let nq = seq.q_len.div_ceil(plan.bq);
-    let (kh, rest) = (t.grp / (plan.hparts * nq), t.grp % (plan.hparts * nq));
-    let (hp, qb) = (rest / nq, rest % nq);
-    let h0 = kh * g + hp * plan.hn;
-    let hn = plan.hn.min(g - hp * plan.hn);
-    let i0 = qb * plan.bq;
-    let ni = plan.bq.min(seq.q_len - i0);
-    let rows = ni * hn;
+    let rw = Rows::of(c, &plan, seq, t.grp);
+    let rows = rw.per_head();
+    // Rows of one kv head, padded to the lanes; kv head x owns rows x * rp.. of the per-row state.
     let rp = rows.next_multiple_of(S::LANES);
+    let ra = rw.nkh * rp;
     let slow = p.softcap.is_some() || c.call.alibi_slopes.is_some();
     let log2e = std::f32::consts::LOG2_E;
     // Fast path: q carries scale * log2(e), so s is already in log2 units.
     let qscale = if slow { 1.0 } else { c.scale * log2e };
 
     let Scratch { qt, s, kp, vp, o, row, m, l, alpha, af, ef, slope, ia, lo, hi, a, e } = sc;
-    let qt = qt.get(d * rp);
+    let qt = qt.get(d * ra);
     let s = s.get(BK * rp);
     let kp = kp.get(BK * dp);
     let vp = vp.get(BK * dp);
-    let o = o.get(rp * dp);
+    let o = o.get(ra * dp);
     let row = row.get(dp);
-    let m = m.get(rp);
-    let l = l.get(rp);
-    let alpha = alpha.get(rp);
+    let m = m.get(ra);
+    let l = l.get(ra);
+    let alpha = alpha.get(ra);
+    let slope = slope.get(ra);
     let af = af.get(rp);
     let ef = ef.get(rp);
-    let slope = slope.get(rp);
     let ia = ia.get(rp);
     for x in [&mut *lo, &mut *hi, &mut *a, &mut *e] {
         x.clear();
         x.resize(rp, 0);
     }
 
-    // Rows: r = position * hn + head, so each row's key interval moves monotonically with r.
+    // Rows: r = position * hn + head, so each row's key interval moves monotonically with r; the
+    // interval depends on the position alone, so every kv head shares lo/hi (and a/e per tile).
     let shift = seq.k_len as i64 - seq.q_len as i64;
     let (mut lo_all, mut hi_all) = (usize::MAX, 0);
     for r in 0..rp {
-        let rr = r.min(rows - 1); // padding rows copy the last real row
-        let (qi, hh) = (rr / hn, rr % hn);
-        let (i, h) = (i0 + qi, h0 + hh);
+        let (i, _) = rw.at(c, 0, r.min(rows - 1)); // padding rows copy the last real row
         let (x, y) = key_range(i, seq.q_len, seq.k_len, p);
         (lo[r], hi[r]) = (x, y);
         if x < y {
             lo_all = lo_all.min(x);
             hi_all = hi_all.max(y);
         }
-        if slow {
-            slope[r] = c.call.alibi_slopes.map_or(0.0, |a| a[h]);
-            ia[r] = (i as i64 + shift) as f32;
-        }
-        if r < rows {
-            let src = &ctx.q[((seq.q_start + i) * hq + h) * d..][..d];
-            // SAFETY: `S` is present (the caller's promise).
-            unsafe { pack_row::<S, T>(src, d, row) };
-            for (x, &y) in row[..d].iter().enumerate() {
-                qt[x * rp + r] = y * qscale;
-            }
-        } else {
-            for x in 0..d {
-                qt[x * rp + r] = 0.0;
+        ia[r] = (i as i64 + shift) as f32;
+    }
+    for x in 0..rw.nkh {
+        let qt = &mut qt[x * d * rp..(x + 1) * d * rp];
+        for r in 0..rp {
+            let (i, h) = rw.at(c, x, r.min(rows - 1));
+            slope[x * rp + r] = c.call.alibi_slopes.map_or(0.0, |a| a[h]);
+            if r < rows {
+                let src = &ctx.q[((seq.q_start + i) * hq + h) * d..][..d];
+                // SAFETY: `S` is present (the caller's promise).
+                unsafe { pack_row::<S, T>(src, d, row) };
+                for (y, &z) in row[..d].iter().enumerate() {
+                    qt[y * rp + r] = z * qscale;
+                }
+            } else {
+                for y in 0..d {
+                    qt[y * rp + r] = 0.0;
+                }
             }
         }
     }
@@ -575,139 +617,163 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
             j0 += n;
             continue;
         }
-        // Pack the tile once for all rows: the keys any row sees.
+        // The keys any row sees.
         let ua = (0..rp).filter(|&r| a[r] < e[r]).map(|r| a[r]).min().unwrap_or(0);
         let ue = (0..rp).map(|r| e[r]).max().unwrap_or(0);
-        for jj in ua..ue {
-            let kr = (c.k_row(t.b, seq, j0 + jj) * hkv + kh) * d;
-            // SAFETY: `S` is present.
-            unsafe {
-                pack_row::<S, T>(&ctx.k[kr..kr + d], d, &mut kp[jj * dp..(jj + 1) * dp]);
-                pack_row::<S, T>(&ctx.v[kr..kr + d], d, &mut vp[jj * dp..(jj + 1) * dp]);
-            }
-        }
+        // kv heads innermost: the heads of one token are adjacent in memory, so a task over
+        // several heads reads whole token rows (decode).
+        for x in 0..rw.nkh {
+            let kh = rw.kh0 + x;
+            let qt = &qt[x * d * rp..(x + 1) * d * rp];
+            let o = &mut o[x * rp * dp..(x + 1) * rp * dp];
+            let (m, l) = (&mut m[x * rp..(x + 1) * rp], &mut l[x * rp..(x + 1) * rp]);
+            let (alpha, slope) = (&mut alpha[x * rp..(x + 1) * rp], &slope[x * rp..(x + 1) * rp]);
 
-        // s = k·qᵀ, per chunk of rows over the keys those rows see, MR keys at a time.
-        let mut r0 = 0;
-        while r0 < rp {
-            let nr = if r0 + 2 * lanes <= rp { 2 } else { 1 };
-            let rr = r0..r0 + nr * lanes;
-            let ca = rr.clone().filter(|&r| a[r] < e[r]).map(|r| a[r]).min();
-            if let Some(ca) = ca {
-                let ce = rr.map(|r| e[r]).max().unwrap_or(0);
-                let dims = (rp, dp, d);
-                // Keys ca..ce in groups of MR (the packed tile has BK rows, a multiple of MR).
-                let mut j = ca / mk * mk;
-                while j < ce {
-                    // SAFETY: j + MR <= BK rows of kp and s; r0 + nr * LANES <= rp.
-                    unsafe {
-                        match (mk, nr) {
-                            (8, 2) => qk::<S, 8, 2>(qt.as_ptr(), kp.as_ptr(), s.as_mut_ptr(), dims, r0, j),
-                            (8, _) => qk::<S, 8, 1>(qt.as_ptr(), kp.as_ptr(), s.as_mut_ptr(), dims, r0, j),
-                            (_, 2) => qk::<S, 4, 2>(qt.as_ptr(), kp.as_ptr(), s.as_mut_ptr(), dims, r0, j),
-                            _ => qk::<S, 4, 1>(qt.as_ptr(), kp.as_ptr(), s.as_mut_ptr(), dims, r0, j),
+            // Pack the tile once for all rows of this kv head.
+            for jj in ua..ue {
+                // Ask for the same key of the next tile now: paged and per-head rows are short
+                // strided runs the hardware prefetchers miss, and decode is bound by these reads.
+                if j0 + BK + jj < ke {
+                    let kr = (c.k_row(t.b, seq, j0 + BK + jj) * hkv + kh) * d;
+                    let (pk, pv) = (ctx.k[kr..kr + d].as_ptr() as *const u8, ctx.v[kr..kr + d].as_ptr() as *const u8);
+                    for y in (0..d * std::mem::size_of::<T>()).step_by(64) {
+                        // SAFETY: a prefetch never faults; the addresses stay inside the rows.
+                        unsafe {
+                            S::prefetch(pk.add(y));
+                            S::prefetch(pv.add(y));
                         }
                     }
-                    j += mk;
+                }
+                let kr = (c.k_row(t.b, seq, j0 + jj) * hkv + kh) * d;
+                // SAFETY: `S` is present.
+                unsafe {
+                    pack_row::<S, T>(&ctx.k[kr..kr + d], d, &mut kp[jj * dp..(jj + 1) * dp]);
+                    pack_row::<S, T>(&ctx.v[kr..kr + d], d, &mut vp[jj * dp..(jj + 1) * dp]);
                 }
             }
-            r0 += nr * lanes;
-        }
 
-        // Online softmax down the key axis, a vector of rows at a time.
-        for r0 in (0..rp).step_by(lanes) {
-            let rr = r0..r0 + lanes;
-            let Some(va) = rr.clone().filter(|&r| a[r] < e[r]).map(|r| a[r]).min() else {
-                alpha[r0..r0 + lanes].fill(1.0);
-                continue;
-            };
-            let ve = rr.clone().map(|r| e[r]).max().unwrap_or(0);
-            let full = rr.clone().all(|r| a[r] == 0 && e[r] == n);
-            if slow {
-                for j in va..ve {
-                    for r in rr.clone() {
-                        let x = &mut s[j * rp + r];
-                        if j < a[r] || j >= e[r] {
-                            *x = f32::NEG_INFINITY;
-                            continue;
+            // s = k·qᵀ, per chunk of rows over the keys those rows see, MR keys at a time.
+            let mut r0 = 0;
+            while r0 < rp {
+                let nr = if r0 + 2 * lanes <= rp { 2 } else { 1 };
+                let rr = r0..r0 + nr * lanes;
+                let ca = rr.clone().filter(|&r| a[r] < e[r]).map(|r| a[r]).min();
+                if let Some(ca) = ca {
+                    let ce = rr.map(|r| e[r]).max().unwrap_or(0);
+                    let dims = (rp, dp, d);
+                    // Keys ca..ce in groups of MR (the packed tile has BK rows, a multiple of MR).
+                    let mut j = ca / mk * mk;
+                    while j < ce {
+                        // SAFETY: j + MR <= BK rows of kp and s; r0 + nr * LANES <= rp.
+                        unsafe {
+                            match (mk, nr) {
+                                (8, 2) => qk::<S, 8, 2>(qt.as_ptr(), kp.as_ptr(), s.as_mut_ptr(), dims, r0, j),
+                                (8, _) => qk::<S, 8, 1>(qt.as_ptr(), kp.as_ptr(), s.as_mut_ptr(), dims, r0, j),
+                                (_, 2) => qk::<S, 4, 2>(qt.as_ptr(), kp.as_ptr(), s.as_mut_ptr(), dims, r0, j),
+                                _ => qk::<S, 4, 1>(qt.as_ptr(), kp.as_ptr(), s.as_mut_ptr(), dims, r0, j),
+                            }
                         }
-                        let mut y = *x * c.scale;
-                        if let Some(cap) = p.softcap {
-                            y = cap * (y / cap).tanh();
-                        }
-                        y -= slope[r] * (ia[r] - (j0 + j) as f32).abs();
-                        *x = y * log2e;
+                        j += mk;
                     }
                 }
+                r0 += nr * lanes;
             }
-            // SAFETY: every access is a row j < BK of `s` at lanes r0..r0 + LANES <= rp, or
-            // r0..r0 + LANES of the per-row buffers.
-            unsafe {
-                let sp = s.as_mut_ptr();
-                let (avec, evec) = (S::load(af.as_ptr().add(r0)), S::load(ef.as_ptr().add(r0)));
-                let mut mx = S::splat(f32::NEG_INFINITY);
-                if full || slow {
+
+            // Online softmax down the key axis, a vector of rows at a time.
+            for r0 in (0..rp).step_by(lanes) {
+                let rr = r0..r0 + lanes;
+                let Some(va) = rr.clone().filter(|&r| a[r] < e[r]).map(|r| a[r]).min() else {
+                    alpha[r0..r0 + lanes].fill(1.0);
+                    continue;
+                };
+                let ve = rr.clone().map(|r| e[r]).max().unwrap_or(0);
+                let full = rr.clone().all(|r| a[r] == 0 && e[r] == n);
+                if slow {
                     for j in va..ve {
-                        mx = S::max(mx, S::load(sp.add(j * rp + r0)));
-                    }
-                } else {
-                    for j in va..ve {
-                        let x = S::mask_range(S::load(sp.add(j * rp + r0)), j as f32, avec, evec);
-                        S::store(sp.add(j * rp + r0), x);
-                        mx = S::max(mx, x);
-                    }
-                }
-                let m_old = S::load(m.as_ptr().add(r0));
-                let m_new = S::max(m_old, mx);
-                let m_use = S::neg_inf_to_zero(m_new);
-                let al = S::exp2(S::sub(m_old, m_use));
-                let mut sum = S::zero();
-                for j in va..ve {
-                    let x = S::exp2(S::sub(S::load(sp.add(j * rp + r0)), m_use));
-                    S::store(sp.add(j * rp + r0), x);
-                    sum = S::add(sum, x);
-                }
-                S::store(m.as_mut_ptr().add(r0), m_new);
-                S::store(l.as_mut_ptr().add(r0), S::fma(S::load(l.as_ptr().add(r0)), al, sum));
-                S::store(alpha.as_mut_ptr().add(r0), al);
-            }
-        }
-
-        // o = o * alpha + p·v.
-        for r in 0..rows {
-            if alpha[r] != 1.0 {
-                let f = alpha[r];
-                o[r * dp..(r + 1) * dp].iter_mut().for_each(|x| *x *= f);
-            }
-        }
-        let dims = (rp, dp);
-        let (sp, vpp, op) = (s.as_ptr(), vp.as_ptr(), o.as_mut_ptr());
-        for r0 in (0..rows).step_by(mr) {
-            let rr = r0..r0 + mr;
-            let ca = rr.clone().map(|r| a[r]).max().unwrap_or(0);
-            let ce = rr.clone().map(|r| e[r]).min().unwrap_or(0);
-            // SAFETY: keys < n <= BK rows of s and vp; rows r0 + MR <= rp; dp a multiple of LANES.
-            unsafe {
-                if ca < ce {
-                    match mr {
-                        8 => pv_rows::<S, 8>(sp, vpp, op, dims, r0, (ca, ce)),
-                        _ => pv_rows::<S, 4>(sp, vpp, op, dims, r0, (ca, ce)),
-                    }
-                }
-                for r in rr.filter(|&r| r < rows) {
-                    let (ra, re) = (a[r], e[r]);
-                    if ra >= re {
-                        continue;
-                    }
-                    if ca < ce {
-                        if ra < ca {
-                            pv_rows::<S, 1>(sp, vpp, op, dims, r, (ra, ca));
+                        for r in rr.clone() {
+                            let x = &mut s[j * rp + r];
+                            if j < a[r] || j >= e[r] {
+                                *x = f32::NEG_INFINITY;
+                                continue;
+                            }
+                            let mut y = *x * c.scale;
+                            if let Some(cap) = p.softcap {
+                                y = cap * (y / cap).tanh();
+                            }
+                            y -= slope[r] * (ia[r] - (j0 + j) as f32).abs();
+                            *x = y * log2e;
                         }
-                        if ce < re {
-                            pv_rows::<S, 1>(sp, vpp, op, dims, r, (ce, re));
+                    }
+                }
+                // SAFETY: every access is a row j < BK of `s` at lanes r0..r0 + LANES <= rp, or
+                // r0..r0 + LANES of the per-row buffers.
+                unsafe {
+                    let sp = s.as_mut_ptr();
+                    let (avec, evec) = (S::load(af.as_ptr().add(r0)), S::load(ef.as_ptr().add(r0)));
+                    let mut mx = S::splat(f32::NEG_INFINITY);
+                    if full || slow {
+                        for j in va..ve {
+                            mx = S::max(mx, S::load(sp.add(j * rp + r0)));
                         }
                     } else {
-                        pv_rows::<S, 1>(sp, vpp, op, dims, r, (ra, re));
+                        for j in va..ve {
+                            let x = S::mask_range(S::load(sp.add(j * rp + r0)), j as f32, avec, evec);
+                            S::store(sp.add(j * rp + r0), x);
+                            mx = S::max(mx, x);
+                        }
+                    }
+                    let m_old = S::load(m.as_ptr().add(r0));
+                    let m_new = S::max(m_old, mx);
+                    let m_use = S::neg_inf_to_zero(m_new);
+                    let al = S::exp2(S::sub(m_old, m_use));
+                    let mut sum = S::zero();
+                    for j in va..ve {
+                        let x = S::exp2(S::sub(S::load(sp.add(j * rp + r0)), m_use));
+                        S::store(sp.add(j * rp + r0), x);
+                        sum = S::add(sum, x);
+                    }
+                    S::store(m.as_mut_ptr().add(r0), m_new);
+                    S::store(l.as_mut_ptr().add(r0), S::fma(S::load(l.as_ptr().add(r0)), al, sum));
+                    S::store(alpha.as_mut_ptr().add(r0), al);
+                }
+            }
+
+            // o = o * alpha + p·v.
+            for r in 0..rows {
+                if alpha[r] != 1.0 {
+                    let f = alpha[r];
+                    o[r * dp..(r + 1) * dp].iter_mut().for_each(|x| *x *= f);
+                }
+            }
+            let dims = (rp, dp);
+            let (sp, vpp, op) = (s.as_ptr(), vp.as_ptr(), o.as_mut_ptr());
+            for r0 in (0..rows).step_by(mr) {
+                let rr = r0..r0 + mr;
+                let ca = rr.clone().map(|r| a[r]).max().unwrap_or(0);
+                let ce = rr.clone().map(|r| e[r]).min().unwrap_or(0);
+                // SAFETY: keys < n <= BK rows of s and vp; rows r0 + MR <= rp; dp a multiple of LANES.
+                unsafe {
+                    if ca < ce {
+                        match mr {
+                            8 => pv_rows::<S, 8>(sp, vpp, op, dims, r0, (ca, ce)),
+                            _ => pv_rows::<S, 4>(sp, vpp, op, dims, r0, (ca, ce)),
+                        }
+                    }
+                    for r in rr.filter(|&r| r < rows) {
+                        let (ra, re) = (a[r], e[r]);
+                        if ra >= re {
+                            continue;
+                        }
+                        if ca < ce {
+                            if ra < ca {
+                                pv_rows::<S, 1>(sp, vpp, op, dims, r, (ra, ca));
+                            }
+                            if ce < re {
+                                pv_rows::<S, 1>(sp, vpp, op, dims, r, (ce, re));
+                            }
+                        } else {
+                            pv_rows::<S, 1>(sp, vpp, op, dims, r, (ra, re));
+                        }
                     }
                 }
             }
@@ -720,18 +786,21 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
         // SAFETY: slot `t.slot` belongs to this task alone and lies inside partial (sized by plan).
         let slot = unsafe { ctx.partial.slice(t.slot * plan.slot(), plan.slot()) };
         let prp = plan.rp;
-        slot[..rows].copy_from_slice(&m[..rows]);
-        slot[prp..prp + rows].copy_from_slice(&l[..rows]);
-        for r in 0..rows {
-            slot[2 * prp + r * dp..2 * prp + (r + 1) * dp].copy_from_slice(&o[r * dp..(r + 1) * dp]);
+        for x in 0..rw.nkh {
+            for r in 0..rows {
+                let (pr, sr) = (x * rows + r, x * rp + r);
+                slot[pr] = m[sr];
+                slot[prp + pr] = l[sr];
+                slot[2 * prp + pr * dp..2 * prp + (pr + 1) * dp].copy_from_slice(&o[sr * dp..(sr + 1) * dp]);
+            }
         }
         return;
     }
-    for r in 0..rows {
-        let (qi, hh) = (r / hn, r % hn);
-        let (i, h) = (i0 + qi, h0 + hh);
-        let orow = &o[r * dp..r * dp + d];
-        write_row(ctx, t.b, seq, (i, h), orow, (m[r], l[r]), row);
+    for x in 0..rw.nkh {
+        for r in 0..rows {
+            let sr = x * rp + r;
+            write_row(ctx, t.b, seq, rw.at(c, x, r), &o[sr * dp..sr * dp + d], (m[sr], l[sr]), row);
+        }
     }
 }
 
@@ -767,20 +836,14 @@ fn merge<T: Element>(ctx: &Ctx<'_, T>, b: usize, seq: &Seq, grp: usize, gslot: u
     let c = ctx.c;
     let plan = ctx.plan;
     let (d, dp, prp, ns) = (c.d, plan.dp, plan.rp, plan.nsplit);
-    let g = c.group();
-    let nq = seq.q_len.div_ceil(plan.bq);
-    let (kh, rest) = (grp / (plan.hparts * nq), grp % (plan.hparts * nq));
-    let (hp, qb) = (rest / nq, rest % nq);
-    let h0 = kh * g + hp * plan.hn;
-    let hn = plan.hn.min(g - hp * plan.hn);
-    let i0 = qb * plan.bq;
-    let rows = plan.bq.min(seq.q_len - i0) * hn;
+    let rw = Rows::of(c, &plan, seq, grp);
+    let per = rw.per_head();
     let acc = sc.o.get(dp);
     let tmp = sc.row.get(dp);
     let size = plan.slot();
     // SAFETY: the splits' slots of this group are read by this merge alone, after every task joined.
     let slots = unsafe { ctx.partial.slice(gslot * ns * size, ns * size) };
-    for r in 0..rows {
+    for r in 0..rw.nkh * per {
         let mmax = (0..ns).map(|x| slots[x * size + r]).fold(f32::NEG_INFINITY, f32::max);
         acc.fill(0.0);
         let mut lsum = 0.0;
@@ -798,7 +861,6 @@ fn merge<T: Element>(ctx: &Ctx<'_, T>, b: usize, seq: &Seq, grp: usize, gslot: u
                 }
             }
         }
-        let (qi, hh) = (r / hn, r % hn);
-        write_row(ctx, b, seq, (i0 + qi, h0 + hh), &acc[..d], (mmax, lsum), tmp);
+        write_row(ctx, b, seq, rw.at(c, r / per, r % per), &acc[..d], (mmax, lsum), tmp);
     }
 }

@@ -39,6 +39,17 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     unsafe fn mask_range(t: Self::V, j: f32, a: Self::V, e: Self::V) -> Self::V;
     /// -inf lanes become 0.
     unsafe fn neg_inf_to_zero(x: Self::V) -> Self::V;
+    /// Hint that the cache line at `p` is read soon (never faults).
+    #[inline(always)]
+    unsafe fn prefetch(p: *const u8) {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch is a hint and never faults, whatever the address.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p as *const i8)
+        };
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = p;
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
