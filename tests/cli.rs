@@ -10,6 +10,9 @@ use std::process::{Command, Output};
 use half::{bf16, f16};
 use safetensors::tensor::{Dtype, SafeTensors, TensorView};
 
+/// A tensor to write: name, dtype, shape, little-endian bytes.
+type Named = (String, Dtype, Vec<usize>, Vec<u8>);
+
 const BIN: &str = env!("CARGO_BIN_EXE_attnkit");
 
 fn tmpdir(name: &str) -> PathBuf {
@@ -113,7 +116,7 @@ struct Spec {
 /// What was written: tensors (name, dtype, shape, bytes), metadata, and per-token rows of q/k/v in
 /// f64 for the expected result.
 struct Written {
-    tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)>,
+    tensors: Vec<Named>,
     meta: HashMap<String, String>,
     /// q rows `[token][h][d]` per sequence; k and v rows `[token][hkv][d]` per sequence.
     q: Vec<Vec<f64>>,
@@ -211,7 +214,12 @@ impl Spec {
             other => panic!("no layout {other}"),
         }
         if let Some(a) = &self.alibi {
-            t.push(("alibi_slopes".into(), Dtype::F32, vec![a.len()], a.iter().flat_map(|x| x.to_le_bytes()).collect()));
+            t.push((
+                "alibi_slopes".into(),
+                Dtype::F32,
+                vec![a.len()],
+                a.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            ));
         }
         let mut meta = HashMap::new();
         meta.insert("layout".to_string(), self.layout.to_string());
@@ -286,7 +294,7 @@ impl Spec {
     }
 }
 
-fn write_file(path: &Path, tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)], meta: Option<HashMap<String, String>>) {
+fn write_file(path: &Path, tensors: &[Named], meta: Option<HashMap<String, String>>) {
     let views: Vec<(&str, TensorView<'_>)> =
         tensors.iter().map(|(n, dt, s, b)| (n.as_str(), TensorView::new(*dt, s.clone(), b).unwrap())).collect();
     std::fs::write(path, safetensors::serialize(views, meta).unwrap()).unwrap();
@@ -400,7 +408,7 @@ fn run_on_best_picks_a_backend_and_matches() {
 }
 
 /// A malformed run must exit non-zero with an error naming `words`, never panic, write nothing.
-fn rejects(name: &str, tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)], meta: Option<HashMap<String, String>>, words: &[&str]) {
+fn rejects(name: &str, tensors: &[Named], meta: Option<HashMap<String, String>>, words: &[&str]) {
     let dir = tmpdir("bad");
     let case = dir.join(format!("{name}.safetensors"));
     write_file(&case, tensors, meta);
@@ -423,14 +431,14 @@ fn rejects_path(name: &str, case: &Path, words: &[&str]) {
     }
 }
 
-fn good() -> (Vec<(String, Dtype, Vec<usize>, Vec<u8>)>, HashMap<String, String>) {
+fn good() -> (Vec<Named>, HashMap<String, String>) {
     let mut s = Spec::base("varlen", Ty::F32, 2, 1, 8, vec![(2, 3), (1, 4)]);
     s.causal = true;
     let w = s.write(3);
     (w.tensors, w.meta)
 }
 
-fn replace(t: &mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>, name: &str, dt: Dtype, shape: Vec<usize>, bytes: Vec<u8>) {
+fn replace(t: &mut Vec<Named>, name: &str, dt: Dtype, shape: Vec<usize>, bytes: Vec<u8>) {
     t.retain(|x| x.0 != name);
     t.push((name.to_string(), dt, shape, bytes));
 }
@@ -456,7 +464,13 @@ fn malformed_case_files_give_clear_errors() {
     rejects("missing_k", &t, Some(m), &["`k`", "missing", "varlen"]);
 
     let (mut t, m) = good();
-    replace(&mut t, "cu_seqlens_q", Dtype::F32, vec![3], [0f32, 2.0, 3.0].iter().flat_map(|x| x.to_le_bytes()).collect());
+    replace(
+        &mut t,
+        "cu_seqlens_q",
+        Dtype::F32,
+        vec![3],
+        [0f32, 2.0, 3.0].iter().flat_map(|x| x.to_le_bytes()).collect(),
+    );
     rejects("cu_seqlens_float", &t, Some(m), &["cu_seqlens_q", "F32", "I32"]);
 
     let (mut t, m) = good();

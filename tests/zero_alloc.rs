@@ -334,7 +334,7 @@ fn allocations_in_forward(on_worker: bool) -> Vec<String> {
     // few dozen jobs) shows up too.
     const ROUNDS: usize = 200;
     for (i, (call, (out, lse))) in calls.iter().zip(outs.iter_mut()).enumerate() {
-        let mut many = || {
+        let many = || {
             for _ in 0..ROUNDS {
                 be.forward(call, Some(&mut *out), Some(&mut *lse))?;
             }

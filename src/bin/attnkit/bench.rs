@@ -241,7 +241,7 @@ pub fn shapes_for(selected: &Option<Vec<(String, Shape)>>, host: bool) -> Vec<(S
 /// Parse `--shapes`: standard names, `all`, or `prefill:B,H,S,D` / `decode:B,HQ,HKV,SK,D`.
 pub fn parse_shapes(list: &str) -> Result<Vec<(String, Shape)>, String> {
     let mut v = Vec::new();
-    for item in list.split(';').flat_map(|x| split_names(x)) {
+    for item in list.split(';').flat_map(split_names) {
         if item == "all" {
             v.extend(STANDARD.iter().map(|(n, s, _)| (n.to_string(), s.clone())));
         } else if let Some((n, s, _)) = STANDARD.iter().find(|(n, _, _)| *n == item) {
