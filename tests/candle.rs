@@ -514,7 +514,7 @@ fn llama_decoder_with_paged_attnkit_attention_matches_candle_attention() -> Res 
     let model = llama::Llama::new(cfg, 3, &cc::Device::Cpu)?;
     let prompts = llama::prompts(&[5, 17, 33], cfg.vocab, 1);
     let steps = 6;
-    let (ours, theirs) = llama::compare(&model, &prompts, steps, 4)?;
+    let (ours, theirs) = llama::compare(&model, &prompts, steps, 4, 1)?;
     assert_eq!(ours.logits.len(), steps + 1);
     assert!(ours.tokens.iter().all(|t| t.len() == steps));
     let (diff, mag) = llama::max_diff(&ours.logits, &theirs.logits)?;

@@ -76,6 +76,8 @@ pub trait Engine {
     /// attention output `[T, Hq, D]`, causal over each sequence's cached and new tokens.
     fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor>;
     fn name(&self) -> &'static str;
+    /// Seconds spent in `attend` so far (cache writes included).
+    fn attn_secs(&self) -> f64;
 }
 
 impl Llama {
@@ -173,6 +175,7 @@ pub struct PagedEngine {
     seqs: Vec<usize>,
     batch: PagedBatch,
     out: Option<Tensor>,
+    secs: f64,
 }
 
 impl PagedEngine {
@@ -180,7 +183,7 @@ impl PagedEngine {
         let mut cache =
             PagedKvCache::new(cfg.layers, num_blocks, block_size, cfg.kv_heads, cfg.head_dim(), DType::F32, dev)?;
         let seqs = (0..sequences).map(|_| cache.add_sequence()).collect();
-        Ok(PagedEngine { cache, seqs, batch: PagedBatch::default(), out: None })
+        Ok(PagedEngine { cache, seqs, batch: PagedBatch::default(), out: None, secs: 0.0 })
     }
 }
 
@@ -192,6 +195,7 @@ impl Engine for PagedEngine {
         Ok(self.batch.positions.clone())
     }
     fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let t0 = Instant::now();
         self.cache.append(layer, k, v, &self.batch)?;
         if self.out.as_ref().map(|o| o.dims() != q.dims()).unwrap_or(true) {
             self.out = Some(Tensor::zeros(q.dims(), q.dtype(), q.device())?);
@@ -199,11 +203,15 @@ impl Engine for PagedEngine {
         let out = self.out.as_ref().expect("allocated above");
         let attn = self.batch.attn().causal(true);
         attn.forward_into(q, self.cache.k_cache(layer), self.cache.v_cache(layer), out, None)?;
+        self.secs += t0.elapsed().as_secs_f64();
         // A view of the buffer: the next layer overwrites it after o_proj has read this one.
         Ok(out.clone())
     }
     fn name(&self) -> &'static str {
         "attnkit paged"
+    }
+    fn attn_secs(&self) -> f64 {
+        self.secs
     }
 }
 
@@ -214,11 +222,12 @@ pub struct CandleEngine {
     kv: Vec<Vec<Option<(Tensor, Tensor)>>>,
     lens: Vec<usize>,
     new: Vec<usize>,
+    secs: f64,
 }
 
 impl CandleEngine {
     pub fn new(cfg: &Config, sequences: usize) -> Self {
-        CandleEngine { kv: vec![vec![None; sequences]; cfg.layers], lens: vec![0; sequences], new: vec![] }
+        CandleEngine { kv: vec![vec![None; sequences]; cfg.layers], lens: vec![0; sequences], new: vec![], secs: 0.0 }
     }
 }
 
@@ -233,6 +242,7 @@ impl Engine for CandleEngine {
         Ok(pos)
     }
     fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
+        let t0 = Instant::now();
         let (_, hq, d) = q.dims3()?;
         let hkv = k.dim(1)?;
         let scale = 1.0 / (d as f64).sqrt();
@@ -266,10 +276,15 @@ impl Engine for CandleEngine {
             let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
             outs.push(p.matmul(&vr)?.transpose(0, 1)?); // [n, Hq, D]
         }
-        Tensor::cat(&outs, 0)
+        let out = Tensor::cat(&outs, 0)?;
+        self.secs += t0.elapsed().as_secs_f64();
+        Ok(out)
     }
     fn name(&self) -> &'static str {
         "candle matmul-softmax"
+    }
+    fn attn_secs(&self) -> f64 {
+        self.secs
     }
 }
 
@@ -281,6 +296,9 @@ pub struct Run {
     pub tokens: Vec<Vec<u32>>,
     pub prefill_secs: f64,
     pub decode_secs: f64,
+    /// Of which in attention (K/V cache writes included).
+    pub prefill_attn_secs: f64,
+    pub decode_attn_secs: f64,
 }
 
 fn argmax(row: &[f32]) -> u32 {
@@ -303,7 +321,15 @@ pub fn generate(
     forced: Option<&[Vec<u32>]>,
 ) -> Result<Run> {
     let b = prompts.len();
-    let mut run = Run { logits: vec![], tokens: vec![vec![]; b], prefill_secs: 0.0, decode_secs: 0.0 };
+    let mut run = Run {
+        logits: vec![],
+        tokens: vec![vec![]; b],
+        prefill_secs: 0.0,
+        decode_secs: 0.0,
+        prefill_attn_secs: 0.0,
+        decode_attn_secs: 0.0,
+    };
+    let attn0 = engine.attn_secs();
     let mut step_tokens: Vec<Vec<u32>> = prompts.to_vec();
     for step in 0..=steps {
         let t0 = Instant::now();
@@ -323,6 +349,7 @@ pub fn generate(
         let dt = t0.elapsed().as_secs_f64();
         if step == 0 {
             run.prefill_secs += dt;
+            run.prefill_attn_secs = engine.attn_secs() - attn0;
         } else {
             run.decode_secs += dt;
         }
@@ -339,6 +366,7 @@ pub fn generate(
             step_tokens[s] = vec![next];
         }
     }
+    run.decode_attn_secs = engine.attn_secs() - attn0 - run.prefill_attn_secs;
     Ok(run)
 }
 
@@ -361,13 +389,36 @@ pub fn max_diff(a: &[Tensor], b: &[Tensor]) -> Result<(f32, f32)> {
     Ok((diff, mag))
 }
 
-/// The attnkit run, then the candle run forced onto the same tokens; both timed alone.
-pub fn compare(model: &Llama, prompts: &[Vec<u32>], steps: usize, block_size: usize) -> Result<(Run, Run)> {
+/// The attnkit run, then the candle run forced onto the same tokens, each timed alone after a
+/// short untimed warm-up of both (thread pools, first-touch allocations). With `reps > 1` the pair
+/// runs `reps` times, alternating, and each timing is the best of its runs (the machine may be
+/// shared); logits and tokens are the first pair's.
+pub fn compare(
+    model: &Llama,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    block_size: usize,
+    reps: usize,
+) -> Result<(Run, Run)> {
     let dev = Device::Cpu;
     let need: usize = prompts.iter().map(|p| (p.len() + steps).div_ceil(block_size)).sum();
-    let mut paged = PagedEngine::new(&model.cfg, prompts.len(), need + 4, block_size, &dev)?;
-    let ours = generate(model, &mut paged, prompts, steps, None)?;
+    let paged = || PagedEngine::new(&model.cfg, prompts.len(), need + 4, block_size, &dev);
+    let warm = steps.min(2);
+    generate(model, &mut paged()?, prompts, warm, None)?;
+    generate(model, &mut CandleEngine::new(&model.cfg, prompts.len()), prompts, warm, None)?;
+
+    let mut ours = generate(model, &mut paged()?, prompts, steps, None)?;
     let mut reference = CandleEngine::new(&model.cfg, prompts.len());
-    let theirs = generate(model, &mut reference, prompts, steps, Some(&ours.tokens))?;
+    let mut theirs = generate(model, &mut reference, prompts, steps, Some(&ours.tokens))?;
+    for _ in 1..reps {
+        let a = generate(model, &mut paged()?, prompts, steps, None)?;
+        let b = generate(model, &mut CandleEngine::new(&model.cfg, prompts.len()), prompts, steps, Some(&ours.tokens))?;
+        for (best, r) in [(&mut ours, a), (&mut theirs, b)] {
+            best.prefill_secs = best.prefill_secs.min(r.prefill_secs);
+            best.decode_secs = best.decode_secs.min(r.decode_secs);
+            best.prefill_attn_secs = best.prefill_attn_secs.min(r.prefill_attn_secs);
+            best.decode_attn_secs = best.decode_attn_secs.min(r.decode_attn_secs);
+        }
+    }
     Ok((ours, theirs))
 }
