@@ -631,19 +631,6 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
 
             // Pack the tile once for all rows of this kv head.
             for jj in ua..ue {
-                // Ask for the same key of the next tile now: paged and per-head rows are short
-                // strided runs the hardware prefetchers miss, and decode is bound by these reads.
-                if j0 + BK + jj < ke {
-                    let kr = (c.k_row(t.b, seq, j0 + BK + jj) * hkv + kh) * d;
-                    let (pk, pv) = (ctx.k[kr..kr + d].as_ptr() as *const u8, ctx.v[kr..kr + d].as_ptr() as *const u8);
-                    for y in (0..d * std::mem::size_of::<T>()).step_by(64) {
-                        // SAFETY: a prefetch never faults; the addresses stay inside the rows.
-                        unsafe {
-                            S::prefetch(pk.add(y));
-                            S::prefetch(pv.add(y));
-                        }
-                    }
-                }
                 let kr = (c.k_row(t.b, seq, j0 + jj) * hkv + kh) * d;
                 // SAFETY: `S` is present.
                 unsafe {
@@ -664,6 +651,23 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
                     // Keys ca..ce in groups of MR (the packed tile has BK rows, a multiple of MR).
                     let mut j = ca / mk * mk;
                     while j < ce {
+                        // Ask for these keys of the next tile now, spread over the tile's work:
+                        // per-head (and paged) rows are short strided runs the hardware
+                        // prefetchers miss, and a burst of them at pack time overflows the queue.
+                        if r0 == 0 {
+                            for jn in j0 + BK + j..(j0 + BK + j + mk).min(ke) {
+                                let kr = (c.k_row(t.b, seq, jn) * hkv + kh) * d;
+                                let pk = ctx.k[kr..kr + d].as_ptr() as *const u8;
+                                let pv = ctx.v[kr..kr + d].as_ptr() as *const u8;
+                                for y in (0..d * std::mem::size_of::<T>()).step_by(64) {
+                                    // SAFETY: a prefetch never faults; the addresses stay inside the rows.
+                                    unsafe {
+                                        S::prefetch(pk.add(y));
+                                        S::prefetch(pv.add(y));
+                                    }
+                                }
+                            }
+                        }
                         // SAFETY: j + MR <= BK rows of kp and s; r0 + nr * LANES <= rp.
                         unsafe {
                             match (mk, nr) {
