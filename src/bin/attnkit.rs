@@ -168,7 +168,10 @@ fn info() -> Res {
                     name,
                     b.device().to_string(),
                     dt.join(","),
-                    c.head_dims.to_string(),
+                    match c.head_dims {
+                        attnkit::HeadDims::UpTo(usize::MAX) => "any".to_string(),
+                        h => h.to_string(),
+                    },
                     ly.join(","),
                     f.join(", ")
                 );
@@ -177,7 +180,28 @@ fn info() -> Res {
         }
     }
     println!("host threads (rayon): {}", rayon::current_num_threads());
+    devices();
     Ok(ExitCode::SUCCESS)
+}
+
+/// What each compiled-in backend found, in the driver's words.
+fn devices() {
+    #[cfg(feature = "cpu")]
+    println!("cpu: {} kernels", attnkit::cpu::CpuBackend::isa());
+    #[cfg(feature = "wgpu")]
+    if let Ok(w) = attnkit::wgpu::WgpuBackend::new() {
+        println!("wgpu: adapter {}", w.adapter_name());
+    }
+    #[cfg(feature = "cuda")]
+    {
+        if let Ok(c) = attnkit::cuda::CudaBackend::new() {
+            println!("cuda: device 0, {} with {} SMs", c.arch(), c.sm_count());
+        }
+        match attnkit::cuda::nvrtc_version() {
+            Ok((major, minor)) => println!("cuda: NVRTC {major}.{minor}"),
+            Err(e) => println!("cuda: NVRTC not loadable: {e}"),
+        }
+    }
 }
 
 /// A backend by name, or the best present for `problem` with why it skipped the others.
