@@ -1,6 +1,7 @@
 // Tiled flash attention (portable path: plain f32 arithmetic, no subgroup operations).
 //
-// One workgroup owns BQ rows of one kv head. A row is a (query, query head of the group) pair,
+// One workgroup owns BQ rows of one kv head (this variant serves short-query calls, down to one
+// row: decode; flash_attn_mt.wgsl serves the rest). A row is a (query, query head of the group) pair,
 // so GQA/MQA heads that share a kv head share every K/V tile loaded into workgroup memory.
 // K/V tiles of BK keys are streamed through workgroup memory; each row keeps its online-softmax
 // state (running max m, running sum l, unnormalised output o) in registers. R threads serve a
@@ -16,7 +17,7 @@ const D: u32 = 128u; // @spec head dim, a multiple of 4
 const DT: u32 = 0u; // @spec storage dtype: 0 f32, 1 f16 (two per u32), 2 bf16 (two per u32)
 const BQ: u32 = 16u; // @spec rows per workgroup
 const BK: u32 = 32u; // @spec keys per tile, a multiple of R
-const R: u32 = 4u; // threads per row
+const R: u32 = 4u; // @spec threads per row; BK is a multiple of R
 
 const WG: u32 = BQ * R;
 const D4: u32 = D / 4u;

@@ -4,7 +4,7 @@
 
 mod common;
 
-use attnkit::wgpu::WgpuBackend;
+use attnkit::wgpu::{Kernel, WgpuBackend};
 use attnkit::{AttentionBackend, DType, LayoutKind, Params};
 use common::*;
 
@@ -64,7 +64,30 @@ fn split_kv_matches_reference() {
         let seed = rng.next_u64();
         let case = random_case(&mut rng, seed);
         be.set_kv_splits(Some([2, 3, 7, 64][n % 4]));
+        be.set_kernel(Some([Kernel::Rows, Kernel::MicroTile][n % 2]));
         check_against_reference(&be, &case).unwrap_or_else(|e| panic!("splits {:?}: {e}", [2, 3, 7, 64][n % 4]));
+    }
+}
+
+#[test]
+fn both_kernels_match_reference() {
+    let Some(mut be) = be() else { return };
+    let mut rng = Rng::new(0xbeef);
+    for n in 0..cases() {
+        let seed = rng.next_u64();
+        let mut case = random_case(&mut rng, seed);
+        // Longer query sequences too, so that micro-tiles are full and ragged.
+        for l in case.lens.iter_mut() {
+            l.0 = (l.0 * 13) % 70;
+        }
+        if case.layout == LayoutKind::Dense {
+            let l0 = (case.lens[0].0.max(1), case.lens[0].1.max(1));
+            case.lens.iter_mut().for_each(|l| *l = l0);
+        }
+        let kernel = [Kernel::Rows, Kernel::MicroTile][n % 2];
+        be.set_kernel(Some(kernel));
+        be.set_kv_splits(if n % 3 == 0 { Some(3) } else { None });
+        check_against_reference(&be, &case).unwrap_or_else(|e| panic!("{kernel:?}: {e}"));
     }
 }
 

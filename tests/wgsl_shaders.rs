@@ -54,9 +54,15 @@ fn every_specialisation_validates() {
     for (name, src) in shaders() {
         for dt in 0..3 {
             for d in [4, 8, 12, 20, 64, 128, 132, 256] {
-                for bk in [4, 8, 16, 32] {
-                    let s = specialize(&src, &[("D", d), ("DT", dt), ("BQ", 16), ("BK", bk)]);
-                    if let Err(e) = validate(&format!("{name} (DT {dt}, D {d}, BK {bk})"), &s) {
+                // (rows, keys, threads per row) the backend may pick for this file.
+                let tiles: &[(usize, usize, usize)] = if name.contains("_mt") {
+                    &[(32, 32, 0), (16, 32, 0), (32, 16, 0), (16, 16, 0)]
+                } else {
+                    &[(16, 32, 4), (16, 4, 4), (1, 32, 32), (2, 32, 32), (4, 16, 16), (8, 8, 8)]
+                };
+                for &(bq, bk, r) in tiles {
+                    let s = specialize(&src, &[("D", d), ("DT", dt), ("BQ", bq), ("BK", bk), ("R", r)]);
+                    if let Err(e) = validate(&format!("{name} (DT {dt}, D {d}, BQ {bq}, BK {bk}, R {r})"), &s) {
                         errors.push(e);
                     }
                 }

@@ -10,12 +10,9 @@ use crate::types::DType;
 use crate::validate::Checked;
 
 const FLASH_SRC: &str = include_str!("../../shaders/flash_attn.wgsl");
+const FLASH_MT_SRC: &str = include_str!("../../shaders/flash_attn_mt.wgsl");
 const COMBINE_SRC: &str = include_str!("../../shaders/combine.wgsl");
 
-/// Rows (query, head-of-group pairs) per workgroup.
-const BQ: usize = 16;
-/// Key tiles tried, largest first; the largest that fits the workgroup memory is used.
-const BK_CHOICES: [usize; 4] = [32, 16, 8, 4];
 /// Threads per workgroup of the combine pass.
 const COMBINE_WG: usize = 64;
 /// Most key/value splits of one call.
@@ -26,21 +23,77 @@ const TARGET_WORKGROUPS: usize = 1024;
 const MIN_KEYS_PER_SPLIT: usize = 128;
 /// Header words of the metadata buffer (see the `M_*` constants of the shaders).
 const HEADER: usize = 24;
+/// Key tiles tried, largest first.
+const BK_CHOICES: [usize; 5] = [64, 32, 16, 8, 4];
+/// Micro-tile (rows, keys) tiles tried, largest first; keys >= rows / 1 so that there is a
+/// thread per row for the softmax (threads = rows * keys / 16 >= rows).
+const MT_TILES: [(usize, usize); 4] = [(32, 32), (16, 32), (32, 16), (16, 16)];
 
-/// Workgroup memory of the flash kernel for head dim `d` and key tile `bk`, in bytes.
-fn wg_bytes(d: usize, bk: usize) -> usize {
-    // Q and K rows are padded by one vec4 (bank conflicts); V is not.
-    (BQ * (d + 4) + bk * (d + 4) + bk * d + BQ * bk) * 4
+/// Which kernel variant serves a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Kernel {
+    /// `flash_attn.wgsl`: `r` threads per row, one dot product per score from workgroup memory.
+    /// Chosen for short-query calls (decode), where it wastes no threads on empty rows.
+    Rows,
+    /// `flash_attn_mt.wgsl`: 4x4 register micro-tiles for scores and output. Chosen when a
+    /// workgroup has 32 rows to fill (prefill).
+    MicroTile,
 }
 
-/// The key tile for head dim `d` under `limit` bytes of workgroup memory.
-fn pick_bk(d: usize, limit: u32) -> Option<usize> {
-    BK_CHOICES.into_iter().find(|&bk| wg_bytes(d, bk) <= limit as usize)
+/// A kernel variant with its tile shape.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Plan {
+    kernel: Kernel,
+    bq: usize,
+    bk: usize,
+    r: usize,
+}
+
+/// Workgroup memory of a plan for head dim `d`, in bytes.
+fn wg_bytes(p: &Plan, d: usize) -> usize {
+    match p.kernel {
+        // Q and K rows are padded by one vec4 (bank conflicts); V is not.
+        Kernel::Rows => (p.bq * (d + 4) + p.bk * (d + 4) + p.bk * d + p.bq * p.bk) * 4,
+        // Q^T, K^T-then-V, P^T, and three row vectors.
+        Kernel::MicroTile => (p.bq * d + p.bk * d + p.bk * p.bq) * 4 + 12 * p.bq,
+    }
+}
+
+/// The `Rows` plan for `rows` rows per sequence (at most 16 per workgroup): as few rows per
+/// workgroup as cover them, with more threads per row; more rows (fewer threads per row, so a
+/// smaller key tile) where the workgroup memory is short.
+fn rows_plan(d: usize, rows: usize, limit: u32) -> Option<Plan> {
+    let first = rows.clamp(1, 16).next_power_of_two();
+    [1, 2, 4, 8, 16].into_iter().filter(|&bq| bq >= first).find_map(|bq| {
+        let r = (64 / bq).clamp(4, 32);
+        BK_CHOICES
+            .into_iter()
+            .filter(|&bk| bk >= r && bk % r == 0 && bk <= 32)
+            .map(|bk| Plan { kernel: Kernel::Rows, bq, bk, r })
+            .find(|p| wg_bytes(p, d) <= limit as usize)
+    })
+}
+
+fn mt_plan(d: usize, limit: u32) -> Option<Plan> {
+    MT_TILES
+        .into_iter()
+        .map(|(bq, bk)| Plan { kernel: Kernel::MicroTile, bq, bk, r: 0 })
+        .find(|p| wg_bytes(p, d) <= limit as usize)
+}
+
+/// The plan for a call whose sequences have at most `rows` (query, head-of-group) rows.
+fn plan(d: usize, rows: usize, limit: u32, forced: Option<Kernel>) -> Option<Plan> {
+    match forced {
+        Some(Kernel::Rows) => rows_plan(d, 16, limit),
+        Some(Kernel::MicroTile) => mt_plan(d, limit).or_else(|| rows_plan(d, 16, limit)),
+        None if rows >= 32 => mt_plan(d, limit).or_else(|| rows_plan(d, rows, limit)),
+        None => rows_plan(d, rows, limit),
+    }
 }
 
 /// The largest head dim (a multiple of 4, at most [`super::MAX_HEAD_DIM`]) that fits `limit`.
 pub(crate) fn max_head_dim(limit: u32) -> usize {
-    (1..=super::MAX_HEAD_DIM / 4).rev().map(|n| n * 4).find(|&d| pick_bk(d, limit).is_some()).unwrap_or(4)
+    (1..=super::MAX_HEAD_DIM / 4).rev().map(|n| n * 4).find(|&d| rows_plan(d, 16, limit).is_some()).unwrap_or(4)
 }
 
 fn dtype_code(d: DType) -> u32 {
@@ -54,8 +107,8 @@ fn dtype_code(d: DType) -> u32 {
 /// Which compiled kernel.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub(crate) enum PipeKey {
-    /// The flash kernel for (dtype code, head dim, key tile).
-    Flash(u32, usize, usize),
+    /// A flash kernel for (dtype code, head dim, plan).
+    Flash(u32, usize, Plan),
     /// The split-KV combine pass for (dtype code, head dim).
     Combine(u32, usize),
 }
@@ -146,9 +199,13 @@ impl State {
             .entry(key)
             .or_insert_with(|| {
                 let (src, label) = match key {
-                    PipeKey::Flash(dt, d, bk) => (
-                        specialize(FLASH_SRC, &[("D", d), ("DT", dt as usize), ("BQ", BQ), ("BK", bk)]),
+                    PipeKey::Flash(dt, d, p) if p.kernel == Kernel::Rows => (
+                        specialize(FLASH_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk), ("R", p.r)]),
                         "attnkit flash_attn",
+                    ),
+                    PipeKey::Flash(dt, d, p) => (
+                        specialize(FLASH_MT_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk)]),
+                        "attnkit flash_attn_mt",
                     ),
                     PipeKey::Combine(dt, d) => {
                         (specialize(COMBINE_SRC, &[("D", d), ("DT", dt as usize)]), "attnkit combine")
@@ -200,9 +257,9 @@ impl State {
 }
 
 /// How many key/value chunks to split a call into.
-fn choose_splits(c: &Checked<'_>, forced: Option<usize>, bk: usize) -> usize {
+fn choose_splits(c: &Checked<'_>, forced: Option<usize>, bq: usize, bk: usize) -> usize {
     let g = c.group();
-    let tiles_q = (c.max_q * g).div_ceil(BQ).max(1);
+    let tiles_q = (c.max_q * g).div_ceil(bq).max(1);
     let max_by_keys = c.max_k.div_ceil(bk).max(1);
     if let Some(n) = forced {
         return n.clamp(1, MAX_SPLITS).min(max_by_keys);
@@ -298,17 +355,18 @@ pub(crate) fn forward(
     out: &WgpuStorage,
     lse: Option<&WgpuStorage>,
     forced_splits: Option<usize>,
+    forced_kernel: Option<Kernel>,
 ) -> Result<()> {
     if c.total_q == 0 || c.batch == 0 {
         return Ok(());
     }
     let d = c.d;
-    let bk = pick_bk(d, ctx.limits.max_compute_workgroup_storage_size)
+    let g = c.group();
+    let plan = plan(d, c.max_q * g, ctx.limits.max_compute_workgroup_storage_size, forced_kernel)
         .ok_or_else(|| backend_err(format!("head dim {d} does not fit this device's workgroup memory")))?;
     let dt = dtype_code(c.dtype);
-    let g = c.group();
-    let tiles_q = (c.max_q * g).div_ceil(BQ);
-    let mut splits = choose_splits(c, forced_splits, bk);
+    let tiles_q = (c.max_q * g).div_ceil(plan.bq);
+    let mut splits = choose_splits(c, forced_splits, plan.bq, plan.bk);
     let rows = (c.total_q * c.hq) as u64;
     // The split scratch must fit one binding; fewer splits otherwise.
     while splits > 1 && rows * splits as u64 * d as u64 * 4 > ctx.limits.max_storage_buffer_binding_size {
@@ -358,7 +416,7 @@ pub(crate) fn forward(
         }
         ctx.queue.write_buffer(&st.meta.buffer, 0, bytemuck_words(&words));
 
-        let fkey = PipeKey::Flash(dt, d, bk);
+        let fkey = PipeKey::Flash(dt, d, plan);
         let fpipe = st.pipeline(dev, fkey);
         let lse_buf = lse.map(|l| l.buffer.clone()).unwrap_or_else(|| st.dummy_lse.clone());
         let (meta_b, po, pl) = (st.meta.buffer.clone(), st.part_o.buffer.clone(), st.part_lse.buffer.clone());

@@ -15,6 +15,8 @@
 
 mod kernel;
 
+pub use kernel::Kernel;
+
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -151,6 +153,7 @@ pub struct WgpuBackend {
     ctx: Arc<Ctx>,
     caps: Capabilities,
     kv_splits: Option<usize>,
+    kernel: Option<Kernel>,
 }
 
 impl WgpuBackend {
@@ -170,13 +173,19 @@ impl WgpuBackend {
     fn with_ctx(ctx: Arc<Ctx>) -> Self {
         let max_d = kernel::max_head_dim(ctx.limits.max_compute_workgroup_storage_size);
         let caps = Capabilities::full(HeadDims::MultipleOf { step: 4, max: max_d });
-        WgpuBackend { ctx, caps, kv_splits: None }
+        WgpuBackend { ctx, caps, kv_splits: None, kernel: None }
     }
 
     /// Force the number of key/value splits (`Some(1)` turns split-KV off, `None` lets the backend
     /// choose from the problem's shape). For tests and tuning.
     pub fn set_kv_splits(&mut self, splits: Option<usize>) {
         self.kv_splits = splits.map(|s| s.clamp(1, kernel::MAX_SPLITS));
+    }
+
+    /// Force a kernel variant (`None` lets the backend choose from the problem's shape). For tests
+    /// and tuning; a variant that does not fit the device's workgroup memory falls back to `Rows`.
+    pub fn set_kernel(&mut self, kernel: Option<Kernel>) {
+        self.kernel = kernel;
     }
 
     /// The wgpu device.
@@ -336,7 +345,7 @@ impl AttentionBackend for WgpuBackend {
             Some(t) => Some(self.storage("lse", t)?),
             None => None,
         };
-        kernel::forward(&self.ctx, c, q, k, v, o, l, self.kv_splits)
+        kernel::forward(&self.ctx, c, q, k, v, o, l, self.kv_splits, self.kernel)
     }
 }
 
