@@ -305,7 +305,9 @@ impl CudaBackend {
             Family::Decode => 0,
         };
         let main = funcs[names[0]].clone();
-        if dyn_smem > 48 * 1024 {
+        // Static and dynamic shared memory together must stay under the default 48 KiB unless
+        // the function opts in, so opt in whenever dynamic memory is used.
+        if dyn_smem > 0 {
             if dyn_smem > self.smem_optin {
                 return Err(be_err(format!(
                     "{} needs {dyn_smem} bytes of shared memory, the device allows {}",
