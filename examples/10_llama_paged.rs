@@ -76,6 +76,86 @@ fn main() -> candle_core::Result<()> {
     if diff > tol {
         candle_core::bail!("attnkit and candle attention disagree: {diff:.3e} > {tol:.1e}");
     }
+    glue_overhead(&cfg, &lens, block_size)?;
     println!("ok");
+    Ok(())
+}
+
+/// What the zero-copy glue saves: one decode-shaped paged call (a query per sequence over the
+/// prompts' KV) through `attnkit::candle` on candle's memory, against the same call on attnkit
+/// host tensors already holding the data (the floor), and against copying candle's q and caches
+/// into attnkit tensors on every call (what the glue would cost without its zero-copy path).
+fn glue_overhead(cfg: &Config, lens: &[usize], block_size: usize) -> candle_core::Result<()> {
+    use attnkit::candle::PagedKvCache;
+    use attnkit::{AttentionBackend, AttnCall, HostData, Tensor};
+    use std::time::Instant;
+
+    let dev = Device::Cpu;
+    let (hq, hkv, d) = (cfg.heads, cfg.kv_heads, cfg.head_dim());
+    let blocks: usize = lens.iter().map(|l| (l + 1).div_ceil(block_size)).sum();
+    let mut cache = PagedKvCache::new(1, blocks, block_size, hkv, d, candle_core::DType::F32, &dev)?;
+    let ids: Vec<usize> = lens.iter().map(|_| cache.add_sequence()).collect();
+    let prefill = cache.step(&ids.iter().copied().zip(lens.iter().copied()).collect::<Vec<_>>())?;
+    let t = prefill.num_tokens();
+    let kv = || candle_core::Tensor::randn(0f32, 1.0, (t, hkv, d), &dev);
+    cache.append(0, &kv()?, &kv()?, &prefill)?;
+    let batch = cache.step(&ids.iter().map(|&i| (i, 1)).collect::<Vec<_>>())?;
+    let new = || candle_core::Tensor::randn(0f32, 1.0, (ids.len(), hkv, d), &dev);
+    cache.append(0, &new()?, &new()?, &batch)?;
+    let q = candle_core::Tensor::randn(0f32, 1.0, (ids.len(), hq, d), &dev)?;
+    let out = q.zeros_like()?;
+    let attn = batch.attn().causal(true);
+    let (kc, vc) = (cache.k_cache(0), cache.v_cache(0));
+
+    let host = |x: &candle_core::Tensor| -> candle_core::Result<Tensor> {
+        Ok(Tensor::from_host(x.dims(), HostData::F32(x.flatten_all()?.to_vec1::<f32>()?))?)
+    };
+    let cpu = attnkit::cpu::CpuBackend::new()?;
+    let (hq_t, hk_t, hv_t) = (host(&q)?, host(kc)?, host(vc)?);
+    let mut hout = Tensor::zeros(q.dims(), attnkit::DType::F32);
+    fn paged<'a>(q: &'a Tensor, k: &'a Tensor, v: &'a Tensor, b: &'a attnkit::candle::PagedBatch) -> AttnCall<'a> {
+        AttnCall::paged(q, k, v, &b.cu_seqlens_q, &b.block_table, b.max_blocks, &b.seq_lens).causal(true)
+    }
+    let reps = 300;
+    let time = |f: &mut dyn FnMut() -> candle_core::Result<()>| -> candle_core::Result<f64> {
+        let mut best = f64::INFINITY;
+        for _ in 0..3 {
+            f()?;
+            let t0 = Instant::now();
+            for _ in 0..reps {
+                f()?;
+            }
+            best = best.min(t0.elapsed().as_secs_f64() / reps as f64);
+        }
+        Ok(best)
+    };
+    let glue = time(&mut || Ok(attn.forward_into(&q, kc, vc, &out, None)?))?;
+    let floor = time(&mut || {
+        cpu.forward(&paged(&hq_t, &hk_t, &hv_t, &batch), Some(&mut hout), None)?;
+        Ok(())
+    })?;
+    let copying = time(&mut || {
+        let (a, b, c) = (host(&q)?, host(kc)?, host(vc)?);
+        let o = cpu.forward(&paged(&a, &b, &c, &batch), None, None)?.out;
+        let o = o.ok_or_else(|| candle_core::Error::Msg("no output".into()))?;
+        let HostData::F32(v) = o.host().cloned().unwrap_or(HostData::F32(vec![])) else { candle_core::bail!("dtype") };
+        candle_core::Tensor::from_vec(v, q.dims(), &dev)?;
+        Ok(())
+    })?;
+    let glue_out = out.flatten_all()?.to_vec1::<f32>()?;
+    let floor_out: Vec<f32> = hout.to_f64_vec()?.iter().map(|&x| x as f32).collect();
+    let same = if glue_out == floor_out { "bit-identical" } else { "DIFFERENT" };
+    println!(
+        "glue, one decode call over {t} cached tokens: attnkit::candle {:.1} us, cpu backend on attnkit tensors {:.1} us \
+         (ratio {:.2}), copying candle -> attnkit each call {:.1} us (ratio {:.2}); outputs {same}",
+        glue * 1e6,
+        floor * 1e6,
+        glue / floor,
+        copying * 1e6,
+        copying / floor,
+    );
+    if same != "bit-identical" {
+        candle_core::bail!("the glue and the cpu backend disagree on the same call");
+    }
     Ok(())
 }
