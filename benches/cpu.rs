@@ -287,7 +287,37 @@ fn summary(peak: f64, isa: &str) {
     }
 }
 
+fn status_kib(field: &str) -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with(field))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
+/// Peak resident memory that one forward over (1, 8, 16384, 64) f32 adds above its inputs and
+/// output (Linux: the peak is reset through /proc/self/clear_refs). `None` elsewhere.
+fn extra_memory() -> Option<(f64, f64)> {
+    let (h, s, d) = (8, 16384, 64);
+    let shape = [1, s, h, d];
+    let be = attnkit::cpu::CpuBackend::new().unwrap();
+    let n = s * h * d;
+    let q = Tensor::from_f32(&shape, DType::F32, &random(n, 7, 1.5)).unwrap();
+    let k = Tensor::from_f32(&shape, DType::F32, &random(n, 8, 1.5)).unwrap();
+    let v = Tensor::from_f32(&shape, DType::F32, &random(n, 9, 1.0)).unwrap();
+    let mut out = be.alloc(&shape, DType::F32).unwrap();
+    if let Some(o) = out.host_mut() {
+        *o = attnkit::HostData::F32(vec![0.5; n]); // touch every page of the output
+    }
+    std::fs::write("/proc/self/clear_refs", "5").ok()?;
+    let before = status_kib("VmRSS:")?;
+    let t = Instant::now();
+    be.forward(&AttnCall::dense(&q, &k, &v), Some(&mut out), None).unwrap();
+    let secs = t.elapsed().as_secs_f64();
+    let peak = status_kib("VmHWM:")?;
+    Some((peak.saturating_sub(before) as f64 / 1024.0, secs))
+}
+
 fn main() {
+    let mem = extra_memory();
     let (peak, isa) = attnkit::cpu::fma_peak_gflops();
     let mut c = Criterion::default().sample_size(10).configure_from_args();
     for case in cases() {
@@ -296,4 +326,10 @@ fn main() {
     bench_decode(&mut c);
     c.final_summary();
     summary(peak, isa);
+    match mem {
+        Some((mib, secs)) => println!(
+            "extra peak resident memory of one forward over (1, 8, 16384, 64) f32 (inputs + output 128 MiB): {mib:.1} MiB ({secs:.2} s)"
+        ),
+        None => println!("extra peak resident memory: not measurable here (needs Linux /proc)"),
+    }
 }

@@ -751,14 +751,18 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
             }
             let dims = (rp, dp);
             let (sp, vpp, op) = (s.as_ptr(), vp.as_ptr(), o.as_mut_ptr());
-            for r0 in (0..rows).step_by(mr) {
-                let rr = r0..r0 + mr;
+            let mut r0 = 0;
+            while r0 < rows {
+                // A last group of at most 4 rows (decode: one position x a GQA group of 4) takes
+                // the 4-row tile rather than padding to 8.
+                let take = if mr == 8 && rows - r0 <= 4 { 4 } else { mr };
+                let rr = r0..r0 + take;
                 let ca = rr.clone().map(|r| a[r]).max().unwrap_or(0);
                 let ce = rr.clone().map(|r| e[r]).min().unwrap_or(0);
                 // SAFETY: keys < n <= BK rows of s and vp; rows r0 + MR <= rp; dp a multiple of LANES.
                 unsafe {
                     if ca < ce {
-                        match mr {
+                        match take {
                             8 => pv_rows::<S, 8>(sp, vpp, op, dims, r0, (ca, ce)),
                             _ => pv_rows::<S, 4>(sp, vpp, op, dims, r0, (ca, ce)),
                         }
@@ -780,6 +784,7 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
                         }
                     }
                 }
+                r0 += take;
             }
         }
         j0 += n;
