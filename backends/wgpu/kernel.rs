@@ -465,6 +465,11 @@ pub(crate) fn forward(
         Ok(())
     });
     st.words = words;
+    if r.is_err() {
+        // Nothing that failed (a pipeline that did not compile, a bind group) stays cached.
+        st.pipelines.clear();
+        st.bind_groups.clear();
+    }
     r
 }
 
