@@ -146,8 +146,9 @@ fn glue_overhead(cfg: &Config, lens: &[usize], block_size: usize) -> candle_core
     let floor_out: Vec<f32> = hout.to_f64_vec()?.iter().map(|&x| x as f32).collect();
     let same = if glue_out == floor_out { "bit-identical" } else { "DIFFERENT" };
     println!(
-        "glue, one decode call over {t} cached tokens: attnkit::candle {:.1} us, cpu backend on attnkit tensors {:.1} us \
+        "glue, one decode call over {} cached tokens: attnkit::candle {:.1} us, cpu backend on attnkit tensors {:.1} us \
          (ratio {:.2}), copying candle -> attnkit each call {:.1} us (ratio {:.2}); outputs {same}",
+        t + ids.len(),
         glue * 1e6,
         floor * 1e6,
         glue / floor,
