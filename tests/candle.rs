@@ -440,33 +440,41 @@ fn reshape_and_cache_writes_by_slot_skips_minus_one_and_checks_first() -> Res {
 
 #[test]
 fn paged_cache_steps_match_varlen_attention_over_the_whole_history() -> Res {
+    for dtype in DType::FLOATS {
+        paged_cache_steps(dtype)?;
+    }
+    Ok(())
+}
+
+fn paged_cache_steps(dtype: DType) -> Res {
     let dev = cc::Device::Cpu;
     let (hkv, hq, d, bs) = (2, 6, 32, 4);
     let mut rng = Rng(11);
-    let mut cache = PagedKvCache::new(1, 24, bs, hkv, d, cc::DType::F32, &dev)?;
+    let mut cache = PagedKvCache::new(1, 24, bs, hkv, d, cdt(dtype), &dev)?;
     let ids: Vec<usize> = (0..3).map(|_| cache.add_sequence()).collect();
-    // Every sequence's keys and values so far, to check against.
+    // Every sequence's keys and values so far (as the cache holds them), to check against.
     let mut hist: Vec<(Vec<f64>, Vec<f64>)> = vec![(vec![], vec![]); 3];
     for step in 0..6 {
         let news: Vec<usize> = (0..3).map(|s| if step == 0 { 3 + 4 * s } else { rng.below(3) }).collect();
         let batch = cache.step(&ids.iter().copied().zip(news.iter().copied()).collect::<Vec<_>>())?;
         let t: usize = news.iter().sum();
         assert_eq!(batch.num_tokens(), t);
-        let (kd, vd) = (rng.vec(t * hkv * d, 1.5), rng.vec(t * hkv * d, 1.0));
-        let qd = rng.vec(t * hq * d, 1.5);
-        let k = cc::Tensor::from_vec(kd.iter().map(|&x| x as f32).collect(), (t, hkv, d), &dev)?;
-        let v = cc::Tensor::from_vec(vd.iter().map(|&x| x as f32).collect(), (t, hkv, d), &dev)?;
-        let q = cc::Tensor::from_vec(qd.iter().map(|&x| x as f32).collect(), (t, hq, d), &dev)?;
+        let mut tensor = |n: usize, amp: f64| -> cc::Result<cc::Tensor> {
+            let x: Vec<f32> = rng.vec(t * n * d, amp).iter().map(|&x| x as f32).collect();
+            cc::Tensor::from_vec(x, (t, n, d), &dev)?.to_dtype(cdt(dtype))
+        };
+        let (k, v, q) = (tensor(hkv, 1.5)?, tensor(hkv, 1.0)?, tensor(hq, 1.5)?);
         cache.append(0, &k, &v, &batch)?;
         let out = batch.attn().causal(true).forward(&q, cache.k_cache(0), cache.v_cache(0))?;
+        assert_eq!(out.dtype(), cdt(dtype));
 
         // The reference: varlen over each sequence's whole history, queries = the new tokens.
         let row = hkv * d;
+        let (kd, vd, qd) = (to_f64(&k)?, to_f64(&v)?, to_f64(&q)?);
         let mut row0 = 0;
         for (s, &n) in news.iter().enumerate() {
-            let f = |x: &[f64]| x.iter().map(|&y| y as f32 as f64).collect::<Vec<_>>();
-            hist[s].0.extend(f(&kd[row0 * row..(row0 + n) * row]));
-            hist[s].1.extend(f(&vd[row0 * row..(row0 + n) * row]));
+            hist[s].0.extend(&kd[row0 * row..(row0 + n) * row]);
+            hist[s].1.extend(&vd[row0 * row..(row0 + n) * row]);
             row0 += n;
             assert_eq!(cache.seq_len(ids[s]), Some(hist[s].0.len() / row));
         }
@@ -477,12 +485,12 @@ fn paged_cache_steps_match_varlen_attention_over_the_whole_history() -> Res {
         for h in &hist {
             cu_k.push(cu_k[cu_k.len() - 1] + (h.0.len() / row) as i32);
         }
-        let qr = Tensor::from_f64(&[t, hq, d], DType::F32, &qd)?;
-        let kr = Tensor::from_f64(&[tk, hkv, d], DType::F32, &kall)?;
-        let vr = Tensor::from_f64(&[tk, hkv, d], DType::F32, &vall)?;
+        let qr = Tensor::from_f64(&[t, hq, d], dtype, &qd)?;
+        let kr = Tensor::from_f64(&[tk, hkv, d], dtype, &kall)?;
+        let vr = Tensor::from_f64(&[tk, hkv, d], dtype, &vall)?;
         let call = AttnCall::varlen(&qr, &kr, &vr, &batch.cu_seqlens_q, &cu_k).causal(true);
         let (want, _) = reference::attention_f64(&validate(&call, Device::Host, "reference", None, None)?)?;
-        check_close(&format!("paged step {step}"), &to_f64(&out)?, &want, tol(DType::F32), step);
+        check_close(&format!("paged {dtype} step {step}"), &to_f64(&out)?, &want, tol(dtype), step);
     }
     // Out of blocks: an error, nothing changes; freeing a sequence returns its blocks.
     let free = cache.free_blocks();
