@@ -53,6 +53,35 @@ struct SeqBlocks {
 /// A step: [`step`](Self::step) reserves slots for each sequence's new tokens (allocating blocks as
 /// needed) and returns a [`PagedBatch`]; each layer then [`append`](Self::append)s its new keys
 /// and values and runs `batch.attn().causal(true)` on its caches.
+///
+/// ```
+/// use attnkit::candle::PagedKvCache;
+/// use candle_core::{DType, Device, Tensor};
+///
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let (dev, layers, hq, hkv, d) = (Device::Cpu, 2, 8, 2, 64);
+/// let mut cache = PagedKvCache::new(layers, 64, 16, hkv, d, DType::F32, &dev)?;
+/// let (a, b) = (cache.add_sequence(), cache.add_sequence());
+///
+/// // Prefill 5 and 12 tokens, then decode one token for each: the same calls every step.
+/// for new in [[5, 12], [1, 1]] {
+///     let batch = cache.step(&[(a, new[0]), (b, new[1])])?;
+///     let t = batch.num_tokens(); // batch.positions: each new token's position, for RoPE
+///     let out = Tensor::zeros((t, hq, d), DType::F32, &dev)?; // once per step, for every layer
+///     for layer in 0..layers {
+///         // In a model: the layer's projections of the step's hidden states, RoPE applied.
+///         let q = Tensor::randn(0f32, 1.0, (t, hq, d), &dev)?;
+///         let k = Tensor::randn(0f32, 1.0, (t, hkv, d), &dev)?;
+///         let v = Tensor::randn(0f32, 1.0, (t, hkv, d), &dev)?;
+///         cache.append(layer, &k, &v, &batch)?;
+///         let attn = batch.attn().causal(true);
+///         attn.forward_into(&q, cache.k_cache(layer), cache.v_cache(layer), &out, None)?;
+///     }
+/// }
+/// assert_eq!((cache.seq_len(a), cache.seq_len(b)), (Some(6), Some(13)));
+/// # Ok(())
+/// # }
+/// ```
 #[derive(Debug)]
 pub struct PagedKvCache {
     block_size: usize,

@@ -30,26 +30,27 @@
 //! use attnkit::candle::Attn;
 //! use candle_core::{DType, Device, Tensor};
 //!
-//! # fn main() -> attnkit::Result<()> {
-//! # let wrap = |e: candle_core::Error| attnkit::Error::Backend { backend: "candle", msg: e.to_string() };
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let dev = Device::Cpu;
-//! let q = Tensor::randn(0f32, 1.0, (1, 16, 8, 64), &dev).map_err(wrap)?;
-//! let k = Tensor::randn(0f32, 1.0, (1, 16, 2, 64), &dev).map_err(wrap)?;
-//! let v = Tensor::randn(0f32, 1.0, (1, 16, 2, 64), &dev).map_err(wrap)?;
+//! let q = Tensor::randn(0f32, 1.0, (1, 16, 8, 64), &dev)?;
+//! let k = Tensor::randn(0f32, 1.0, (1, 16, 2, 64), &dev)?;
+//! let v = Tensor::randn(0f32, 1.0, (1, 16, 2, 64), &dev)?;
 //! let attn = Attn::dense().causal(true);
 //!
 //! // Allocating.
 //! let out = attn.forward(&q, &k, &v)?;
 //! // Into a buffer the model owns: bit-identical.
-//! let buf = Tensor::zeros((1, 16, 8, 64), DType::F32, &dev).map_err(wrap)?;
+//! let buf = Tensor::zeros((1, 16, 8, 64), DType::F32, &dev)?;
 //! attn.forward_into(&q, &k, &v, &buf, None)?;
-//! let diff = (out - &buf).map_err(wrap)?.abs().map_err(wrap)?.max_all().map_err(wrap)?;
-//! assert_eq!(diff.to_scalar::<f32>().map_err(wrap)?, 0.0);
+//! assert_eq!((out - &buf)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
 //! // Aliasing an input is refused.
 //! assert!(attn.forward_into(&q, &k, &v, &q, None).is_err());
 //! # Ok(())
 //! # }
 //! ```
+//!
+//! In a model, `attnkit::Error` converts into `candle_core::Error`, so `?` works in code that
+//! returns candle's `Result`. A decoder with a paged KV cache: see [`PagedKvCache`].
 
 mod cache;
 
