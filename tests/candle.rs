@@ -530,3 +530,51 @@ fn llama_decoder_with_paged_attnkit_attention_matches_candle_attention() -> Res 
     assert!(diff <= 1e-4 * mag.max(1.0), "logits differ by {diff} (max |logit| {mag})");
     Ok(())
 }
+
+#[test]
+fn threads_sharing_the_inputs_write_their_own_buffers_without_deadlock() -> Res {
+    // Two threads read the same k and v (candle read locks) and write their own outputs and lse
+    // (write locks): the lock order of the glue must let both proceed, and each result must be
+    // what a lone call gives.
+    let dev = cc::Device::Cpu;
+    let k = cc::Tensor::randn(0f32, 1.0, (40, 2, 32), &dev)?;
+    let v = cc::Tensor::randn(0f32, 1.0, (40, 2, 32), &dev)?;
+    let (cu_q, cu_k) = ([0, 3, 8], [0, 15, 40]);
+    let attn = Attn::varlen(&cu_q, &cu_k).causal(true);
+    let qs: Vec<cc::Tensor> =
+        (0..2).map(|_| cc::Tensor::randn(0f32, 1.0, (8, 4, 32), &dev)).collect::<cc::Result<_>>()?;
+    let want: Vec<(Vec<f64>, Vec<f64>)> = qs
+        .iter()
+        .map(|q| -> Res<(Vec<f64>, Vec<f64>)> {
+            let (o, l) = attn.forward_lse(q, &k, &v)?;
+            Ok((to_f64(&o)?, to_f64(&l)?))
+        })
+        .collect::<Res<_>>()?;
+    std::thread::scope(|s| -> Res {
+        let handles: Vec<_> = qs
+            .iter()
+            .zip(&want)
+            .map(|(q, want)| {
+                let (k, v) = (&k, &v);
+                s.spawn(move || -> std::result::Result<(), String> {
+                    let out =
+                        cc::Tensor::zeros((8, 4, 32), cc::DType::F32, &cc::Device::Cpu).map_err(|e| e.to_string())?;
+                    let lse = cc::Tensor::zeros((4, 8), cc::DType::F32, &cc::Device::Cpu).map_err(|e| e.to_string())?;
+                    for _ in 0..200 {
+                        attn.forward_into(q, k, v, &out, Some(&lse)).map_err(|e| e.to_string())?;
+                    }
+                    let got = (to_f64(&out).map_err(|e| e.to_string())?, to_f64(&lse).map_err(|e| e.to_string())?);
+                    if &got != want {
+                        return Err("a threaded result differs from the lone call".into());
+                    }
+                    Ok(())
+                })
+            })
+            .collect();
+        for h in handles {
+            h.join().map_err(|_| "thread panicked")??;
+        }
+        Ok(())
+    })?;
+    Ok(())
+}
