@@ -290,16 +290,27 @@ pub fn head_dim_ok(be: &dyn AttentionBackend, shape: &Shape, dtype: DType, causa
     be.supports(&p).map_err(|u| u.reasons.join("; "))
 }
 
+/// A figure with about four significant digits.
+fn sig(x: f64) -> String {
+    if x >= 100.0 {
+        format!("{x:.0}")
+    } else if x >= 1.0 {
+        format!("{x:.2}")
+    } else {
+        format!("{x:.4}")
+    }
+}
+
 /// The table, with each backend's time as a multiple of cpu's on the same shape when cpu ran.
 pub fn print_table(rows: &[Row], peak: Option<(f64, &str)>) {
     println!(
-        "{:<10} {:<10} {:<12} {:<30} {:>5} {:>10} {:>10} {:>10} {:>9} {:>8} {:>8}",
+        "{:<10} {:<10} {:<18} {:<40} {:>5} {:>10} {:>10} {:>10} {:>9} {:>8} {:>8}",
         "backend", "device", "shape", "dims", "runs", "median ms", "min ms", "TFLOP/s", "GB/s K/V", "x cpu", "% peak"
     );
     for r in rows {
         if let Some(n) = &r.note {
             println!(
-                "{:<10} {:<10} {:<12} {:<30} skipped: {n}",
+                "{:<10} {:<10} {:<18} {:<40} skipped: {n}",
                 r.backend,
                 r.device,
                 r.shape,
@@ -313,10 +324,10 @@ pub fn print_table(rows: &[Row], peak: Option<(f64, &str)>) {
             Some(c) if r.backend != "cpu" => format!("{:.1}x", c.median_s / r.median_s),
             _ => "-".into(),
         };
-        let gb = if r.decode { format!("{:.1}", r.gbps()) } else { "-".into() };
+        let gb = if r.decode { sig(r.gbps()) } else { "-".into() };
         let pk = r.peak_fraction.map(|f| format!("{:.1}%", f * 100.0)).unwrap_or_else(|| "-".into());
         println!(
-            "{:<10} {:<10} {:<12} {:<30} {:>5} {:>10.3} {:>10.3} {:>10.3} {:>9} {:>8} {:>8}",
+            "{:<10} {:<10} {:<18} {:<40} {:>5} {:>10.3} {:>10.3} {:>10} {:>9} {:>8} {:>8}",
             r.backend,
             r.device,
             r.shape,
@@ -324,7 +335,7 @@ pub fn print_table(rows: &[Row], peak: Option<(f64, &str)>) {
             r.runs,
             r.median_s * 1e3,
             r.min_s * 1e3,
-            r.tflops(),
+            sig(r.tflops()),
             gb,
             vs,
             pk
