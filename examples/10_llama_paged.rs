@@ -24,7 +24,7 @@ fn main() -> candle_core::Result<()> {
         eps: 1e-5,
         max_pos: 4096,
     };
-    let model = Llama::new(cfg, 42, &Device::Cpu)?;
+    let model = Llama::new(cfg, 42, candle_core::DType::F32, &Device::Cpu)?;
     let lens = [96, 160, 224, 384];
     let steps = 32;
     let block_size = 16;
@@ -77,6 +77,17 @@ fn main() -> candle_core::Result<()> {
         candle_core::bail!("attnkit and candle attention disagree: {diff:.3e} > {tol:.1e}");
     }
     glue_overhead(&cfg, &lens, block_size)?;
+
+    // The same model in bf16: attnkit accumulates in f32 and rounds once; held to at most twice
+    // the error of candle's own bf16 attention against the f32 model (8 steps: bf16 on the CPU is slow).
+    let bf16 = Llama::new(cfg, 42, candle_core::DType::BF16, &Device::Cpu)?;
+    let (ours_err, theirs_err) = llama::low_precision_errors(&model, &bf16, &prompts, 8, block_size)?;
+    println!(
+        "bf16 model, max |logit - f32 model's| over 9 steps: attnkit attention {ours_err:.3e}, candle attention {theirs_err:.3e}"
+    );
+    if ours_err > 2.0 * theirs_err {
+        candle_core::bail!("attnkit's bf16 error {ours_err:.3e} is more than twice candle's {theirs_err:.3e}");
+    }
     println!("ok");
     Ok(())
 }

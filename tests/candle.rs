@@ -519,7 +519,7 @@ fn llama_decoder_with_paged_attnkit_attention_matches_candle_attention() -> Res 
         eps: 1e-5,
         max_pos: 512,
     };
-    let model = llama::Llama::new(cfg, 3, &cc::Device::Cpu)?;
+    let model = llama::Llama::new(cfg, 3, cc::DType::F32, &cc::Device::Cpu)?;
     let prompts = llama::prompts(&[5, 17, 33], cfg.vocab, 1);
     let steps = 6;
     let (ours, theirs) = llama::compare(&model, &prompts, steps, 4, 1)?;
@@ -576,5 +576,29 @@ fn threads_sharing_the_inputs_write_their_own_buffers_without_deadlock() -> Res 
         }
         Ok(())
     })?;
+    Ok(())
+}
+
+#[test]
+fn llama_decoder_in_f16_and_bf16_is_within_twice_candles_own_error() -> Res {
+    let cfg = llama::Config {
+        vocab: 256,
+        hidden: 128,
+        layers: 2,
+        heads: 4,
+        kv_heads: 2,
+        intermediate: 320,
+        rope_theta: 10_000.0,
+        eps: 1e-5,
+        max_pos: 256,
+    };
+    let model = llama::Llama::new(cfg, 5, cc::DType::F32, &cc::Device::Cpu)?;
+    let prompts = llama::prompts(&[7, 21], cfg.vocab, 2);
+    for dtype in [cc::DType::F16, cc::DType::BF16] {
+        let lp = llama::Llama::new(cfg, 5, dtype, &cc::Device::Cpu)?;
+        let (ours, theirs) = llama::low_precision_errors(&model, &lp, &prompts, 4, 4)?;
+        assert!(theirs > 0.0, "{dtype:?}: candle's low-precision run equals f32: the check would be empty");
+        assert!(ours <= 2.0 * theirs, "{dtype:?}: attnkit error {ours} > 2 x candle's {theirs}");
+    }
     Ok(())
 }

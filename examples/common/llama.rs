@@ -59,6 +59,7 @@ struct Layer {
 /// The decoder.
 pub struct Llama {
     pub cfg: Config,
+    pub dtype: DType,
     embed: Embedding,
     layers: Vec<Layer>,
     norm: RmsNorm,
@@ -82,8 +83,8 @@ pub trait Engine {
 
 impl Llama {
     /// Random weights from `seed`: linears uniform with the variance of `1 / fan_in`, embeddings
-    /// uniform in [-1, 1), norm weights near 1.
-    pub fn new(cfg: Config, seed: u64, dev: &Device) -> Result<Self> {
+    /// uniform in [-1, 1), norm weights near 1; drawn in f32, stored and run in `dtype`.
+    pub fn new(cfg: Config, seed: u64, dtype: DType, dev: &Device) -> Result<Self> {
         let mut rng = Rng(seed);
         let mut ts = HashMap::new();
         let mut put = |name: String, rows: usize, cols: usize, amp: f32, base: f32| -> Result<()> {
@@ -109,7 +110,7 @@ impl Llama {
         }
         put("norm.weight".into(), 1, h, 0.1, 1.0)?;
         put("lm_head.weight".into(), cfg.vocab, h, lin(h), 0.0)?;
-        let vb = VarBuilder::from_tensors(ts, DType::F32, dev);
+        let vb = VarBuilder::from_tensors(ts, dtype, dev);
 
         let mut layers = Vec::new();
         for l in 0..cfg.layers {
@@ -132,12 +133,13 @@ impl Llama {
         let freqs = pos.broadcast_mul(&inv)?;
         Ok(Llama {
             cfg,
+            dtype,
             embed: embedding(cfg.vocab, h, vb.pp("embed"))?,
             layers,
             norm: rms_norm(h, cfg.eps, vb.pp("norm"))?,
             lm_head: linear_no_bias(h, cfg.vocab, vb.pp("lm_head"))?,
-            cos: freqs.cos()?,
-            sin: freqs.sin()?,
+            cos: freqs.cos()?.to_dtype(dtype)?,
+            sin: freqs.sin()?.to_dtype(dtype)?,
         })
     }
 
@@ -179,9 +181,10 @@ pub struct PagedEngine {
 }
 
 impl PagedEngine {
-    pub fn new(cfg: &Config, sequences: usize, num_blocks: usize, block_size: usize, dev: &Device) -> Result<Self> {
+    pub fn new(model: &Llama, sequences: usize, num_blocks: usize, block_size: usize, dev: &Device) -> Result<Self> {
+        let cfg = &model.cfg;
         let mut cache =
-            PagedKvCache::new(cfg.layers, num_blocks, block_size, cfg.kv_heads, cfg.head_dim(), DType::F32, dev)?;
+            PagedKvCache::new(cfg.layers, num_blocks, block_size, cfg.kv_heads, cfg.head_dim(), model.dtype, dev)?;
         let seqs = (0..sequences).map(|_| cache.add_sequence()).collect();
         Ok(PagedEngine { cache, seqs, batch: PagedBatch::default(), out: None, secs: 0.0 })
     }
@@ -272,7 +275,7 @@ impl Engine for CandleEngine {
             let mask: Vec<f32> = (0..n)
                 .flat_map(|i| (0..s).map(move |j| if j <= s - n + i { 0.0 } else { f32::NEG_INFINITY }))
                 .collect();
-            let mask = Tensor::from_vec(mask, (1, n, s), q.device())?;
+            let mask = Tensor::from_vec(mask, (1, n, s), q.device())?.to_dtype(q.dtype())?;
             let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
             outs.push(p.matmul(&vr)?.transpose(0, 1)?); // [n, Hq, D]
         }
@@ -345,6 +348,7 @@ pub fn generate(
             last.push((end - 1) as u32);
         }
         let last = logits.index_select(&Tensor::new(last.as_slice(), logits.device())?, 0)?;
+        let last = last.to_dtype(DType::F32)?;
         let rows = last.to_vec2::<f32>()?;
         let dt = t0.elapsed().as_secs_f64();
         if step == 0 {
@@ -402,7 +406,7 @@ pub fn compare(
 ) -> Result<(Run, Run)> {
     let dev = Device::Cpu;
     let need: usize = prompts.iter().map(|p| (p.len() + steps).div_ceil(block_size)).sum();
-    let paged = || PagedEngine::new(&model.cfg, prompts.len(), need + 4, block_size, &dev);
+    let paged = || PagedEngine::new(model, prompts.len(), need + 4, block_size, &dev);
     let warm = steps.min(2);
     generate(model, &mut paged()?, prompts, warm, None)?;
     generate(model, &mut CandleEngine::new(&model.cfg, prompts.len()), prompts, warm, None)?;
@@ -421,4 +425,28 @@ pub fn compare(
         }
     }
     Ok((ours, theirs))
+}
+
+/// The same model in f32 and in a lower precision `lp`, all runs on the f32 model's greedy
+/// tokens. Returns the largest logit error against the f32 model with candle attention, of the
+/// low-precision model with attnkit attention and with candle attention. The FlashAttention rule:
+/// attnkit in `lp` may be at most 2x as far from the f32 result as candle's own attention in `lp`.
+pub fn low_precision_errors(
+    f32_model: &Llama,
+    lp_model: &Llama,
+    prompts: &[Vec<u32>],
+    steps: usize,
+    block_size: usize,
+) -> Result<(f32, f32)> {
+    let dev = Device::Cpu;
+    let need: usize = prompts.iter().map(|p| (p.len() + steps).div_ceil(block_size)).sum();
+    let mut paged = PagedEngine::new(f32_model, prompts.len(), need + 4, block_size, &dev)?;
+    let tokens = generate(f32_model, &mut paged, prompts, steps, None)?.tokens;
+    let truth =
+        generate(f32_model, &mut CandleEngine::new(&f32_model.cfg, prompts.len()), prompts, steps, Some(&tokens))?;
+    let mut paged = PagedEngine::new(lp_model, prompts.len(), need + 4, block_size, &dev)?;
+    let ours = generate(lp_model, &mut paged, prompts, steps, Some(&tokens))?;
+    let theirs =
+        generate(lp_model, &mut CandleEngine::new(&lp_model.cfg, prompts.len()), prompts, steps, Some(&tokens))?;
+    Ok((max_diff(&ours.logits, &truth.logits)?.0, max_diff(&theirs.logits, &truth.logits)?.0))
 }
