@@ -229,7 +229,7 @@ impl HeadDims {
     pub fn contains(self, d: usize) -> bool {
         match self {
             HeadDims::UpTo(max) => (1..=max).contains(&d),
-            HeadDims::MultipleOf { step, max } => d >= step && d <= max && d % step == 0,
+            HeadDims::MultipleOf { step, max } => d >= step && d <= max && d.is_multiple_of(step),
         }
     }
     /// Every head dim taken, ascending.

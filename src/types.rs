@@ -149,7 +149,7 @@ impl HostData {
     }
     /// Parse little-endian bytes of `dtype`; the length must be a multiple of its size.
     pub fn from_le_bytes(dtype: DType, b: &[u8]) -> Option<HostData> {
-        if b.len() % dtype.size() != 0 {
+        if !b.len().is_multiple_of(dtype.size()) {
             return None;
         }
         Some(match dtype {
