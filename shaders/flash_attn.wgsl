@@ -16,12 +16,13 @@
 const D: u32 = 128u; // @spec head dim, a multiple of 4
 const DT: u32 = 0u; // @spec storage dtype: 0 f32, 1 f16 (two per u32), 2 bf16 (two per u32)
 const BQ: u32 = 16u; // @spec rows per workgroup
-const BK: u32 = 32u; // @spec keys per tile, a multiple of R
-const R: u32 = 4u; // @spec threads per row; BK is a multiple of R
+const BK: u32 = 32u; // @spec keys per tile
+const R: u32 = 4u; // @spec threads per row
 
 const WG: u32 = BQ * R;
 const D4: u32 = D / 4u;
 const NV: u32 = (D4 + R - 1u) / R;
+const NS: u32 = (BK + R - 1u) / R; // scores per thread per tile
 // Row strides of the Q and K tiles, padded by one vec4 so that the rows a warp reads at once
 // fall in different banks.
 const QS: u32 = D4 + 1u;
@@ -52,10 +53,12 @@ const M_OFF_CUK: u32 = 18u; // cu_seqlens_k (varlen) or seq_lens (paged)
 const M_OFF_BT: u32 = 19u;
 const M_OFF_ALIBI: u32 = 20u;
 
-@group(0) @binding(0) var<storage, read> qb: array<u32>;
-@group(0) @binding(1) var<storage, read> kb: array<u32>;
-@group(0) @binding(2) var<storage, read> vb: array<u32>;
-@group(0) @binding(3) var<storage, read_write> ob: array<u32>;
+// Tensors as 8-byte words: one word is 4 elements of f16/bf16, or 2 of f32. D is a multiple of 4,
+// so every vec4 of a row starts on a word.
+@group(0) @binding(0) var<storage, read> qb: array<vec2<u32>>;
+@group(0) @binding(1) var<storage, read> kb: array<vec2<u32>>;
+@group(0) @binding(2) var<storage, read> vb: array<vec2<u32>>;
+@group(0) @binding(3) var<storage, read_write> ob: array<vec2<u32>>;
 @group(0) @binding(4) var<storage, read_write> lseb: array<f32>;
 @group(0) @binding(5) var<storage, read> md: array<u32>;
 @group(0) @binding(6) var<storage, read_write> part_o: array<vec4<f32>>;
@@ -91,37 +94,39 @@ fn half4(w0: u32, w1: u32) -> vec4<f32> {
 }
 fn load_q(e: u32) -> vec4<f32> {
     if (DT == 0u) {
-        return unpack4(qb[e], qb[e + 1u], qb[e + 2u], qb[e + 3u]);
+        let a = qb[e / 2u];
+        let b = qb[e / 2u + 1u];
+        return unpack4(a.x, a.y, b.x, b.y);
     }
-    let w = e / 2u;
-    return half4(qb[w], qb[w + 1u]);
+    let w = qb[e / 4u];
+    return half4(w.x, w.y);
 }
 fn load_k(e: u32) -> vec4<f32> {
     if (DT == 0u) {
-        return unpack4(kb[e], kb[e + 1u], kb[e + 2u], kb[e + 3u]);
+        let a = kb[e / 2u];
+        let b = kb[e / 2u + 1u];
+        return unpack4(a.x, a.y, b.x, b.y);
     }
-    let w = e / 2u;
-    return half4(kb[w], kb[w + 1u]);
+    let w = kb[e / 4u];
+    return half4(w.x, w.y);
 }
 fn load_v(e: u32) -> vec4<f32> {
     if (DT == 0u) {
-        return unpack4(vb[e], vb[e + 1u], vb[e + 2u], vb[e + 3u]);
+        let a = vb[e / 2u];
+        let b = vb[e / 2u + 1u];
+        return unpack4(a.x, a.y, b.x, b.y);
     }
-    let w = e / 2u;
-    return half4(vb[w], vb[w + 1u]);
+    let w = vb[e / 4u];
+    return half4(w.x, w.y);
 }
 fn store_o(e: u32, x: vec4<f32>) {
     if (DT == 0u) {
-        ob[e] = bitcast<u32>(x.x);
-        ob[e + 1u] = bitcast<u32>(x.y);
-        ob[e + 2u] = bitcast<u32>(x.z);
-        ob[e + 3u] = bitcast<u32>(x.w);
+        ob[e / 2u] = bitcast<vec2<u32>>(x.xy);
+        ob[e / 2u + 1u] = bitcast<vec2<u32>>(x.zw);
     } else if (DT == 1u) {
-        ob[e / 2u] = pack2x16float(x.xy);
-        ob[e / 2u + 1u] = pack2x16float(x.zw);
+        ob[e / 4u] = vec2<u32>(pack2x16float(x.xy), pack2x16float(x.zw));
     } else {
-        ob[e / 2u] = to_bf16(x.x) | (to_bf16(x.y) << 16u);
-        ob[e / 2u + 1u] = to_bf16(x.z) | (to_bf16(x.w) << 16u);
+        ob[e / 4u] = vec2<u32>(to_bf16(x.x) | (to_bf16(x.y) << 16u), to_bf16(x.z) | (to_bf16(x.w) << 16u));
     }
 }
 
@@ -151,13 +156,24 @@ fn seq_of(b: u32) -> Seq {
 }
 
 // Row of kv token `t` of sequence `b` in k/v seen as [rows, Hkv, D].
-fn k_row(b: u32, s: Seq, t: u32) -> u32 {
-    if (md[M_KIND] == 2u) {
-        let bs = md[M_BS];
-        let blk = md[md[M_OFF_BT] + b * md[M_MAXB] + t / bs];
-        return blk * bs + t % bs;
+// Where the kv tokens of one sequence are, read from the metadata once per workgroup.
+struct Kv {
+    paged: bool,
+    bs: u32,
+    bt: u32, // first block-table entry of the sequence in md
+    k0: u32,
+}
+
+fn kv_of(b: u32, s: Seq) -> Kv {
+    return Kv(md[M_KIND] == 2u, max(md[M_BS], 1u), md[M_OFF_BT] + b * md[M_MAXB], s.k0);
+}
+
+// Row of kv token `t` in k/v seen as [rows, Hkv, D].
+fn k_row(kvl: Kv, t: u32) -> u32 {
+    if (kvl.paged) {
+        return md[kvl.bt + t / kvl.bs] * kvl.bs + t % kvl.bs;
     }
-    return s.k0 + t;
+    return kvl.k0 + t;
 }
 
 // [lo, hi) of keys visible to query i of the sequence; lo == hi when none.
@@ -192,6 +208,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let hkv = md[M_HKV];
     let g = hq / hkv;
     let s = seq_of(b);
+    let kvi = kv_of(b, s);
     let p0 = wid.x * BQ;
     if (p0 >= s.ql * g) {
         return;
@@ -241,7 +258,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
 
     // Q tile.
-    for (var x = tid; x < BQ * D4; x += WG) {
+    // A constant trip count, so that the compiler can unroll and keep several loads in flight.
+    for (var it = 0u; it < (BQ * D4 + WG - 1u) / WG; it++) {
+        let x = tid + it * WG;
+        if (x >= BQ * D4) {
+            break;
+        }
         let pr = p0 + x / D4;
         var val = vec4<f32>(0.0);
         if (pr < s.ql * g) {
@@ -260,12 +282,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
     for (var j0 = start; j0 < end; j0 += i32(BK)) {
         workgroupBarrier(); // the previous tile is consumed (and the Q tile is written)
-        for (var x = tid; x < BK * D4; x += WG) {
+        // A constant trip count, so that the compiler can unroll and keep several loads in flight.
+        for (var it = 0u; it < (BK * D4 + WG - 1u) / WG; it++) {
+            let x = tid + it * WG;
+            if (x >= BK * D4) {
+                break;
+            }
             let j = j0 + i32(x / D4);
             var kv = vec4<f32>(0.0);
             var vv = vec4<f32>(0.0);
             if (j < end) {
-                let e = (k_row(b, s, u32(j)) * hkv + kh) * D + (x % D4) * 4u;
+                let e = (k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u;
                 kv = load_k(e);
                 vv = load_v(e);
             }
@@ -275,8 +302,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         workgroupBarrier();
 
         // Scores of this row's keys t, t+R, ...
-        for (var n = 0u; n < BK / R; n++) {
+        for (var n = 0u; n < NS; n++) {
             let jj = t + n * R;
+            if (jj >= BK) {
+                break;
+            }
             var acc = 0.0;
             for (var c = 0u; c < D4; c++) {
                 acc += dot(qs[r * QS + c], ks[jj * QS + c]);

@@ -47,10 +47,12 @@ const M_OFF_CUK: u32 = 18u;
 const M_OFF_BT: u32 = 19u;
 const M_OFF_ALIBI: u32 = 20u;
 
-@group(0) @binding(0) var<storage, read> qb: array<u32>;
-@group(0) @binding(1) var<storage, read> kb: array<u32>;
-@group(0) @binding(2) var<storage, read> vb: array<u32>;
-@group(0) @binding(3) var<storage, read_write> ob: array<u32>;
+// Tensors as 8-byte words: one word is 4 elements of f16/bf16, or 2 of f32. D is a multiple of 4,
+// so every vec4 of a row starts on a word.
+@group(0) @binding(0) var<storage, read> qb: array<vec2<u32>>;
+@group(0) @binding(1) var<storage, read> kb: array<vec2<u32>>;
+@group(0) @binding(2) var<storage, read> vb: array<vec2<u32>>;
+@group(0) @binding(3) var<storage, read_write> ob: array<vec2<u32>>;
 @group(0) @binding(4) var<storage, read_write> lseb: array<f32>;
 @group(0) @binding(5) var<storage, read> md: array<u32>;
 @group(0) @binding(6) var<storage, read_write> part_o: array<vec4<f32>>;
@@ -86,17 +88,21 @@ fn half4(w0: u32, w1: u32) -> vec4<f32> {
 }
 fn load_q(e: u32) -> vec4<f32> {
     if (DT == 0u) {
-        return unpack4(qb[e], qb[e + 1u], qb[e + 2u], qb[e + 3u]);
+        let a = qb[e / 2u];
+        let b = qb[e / 2u + 1u];
+        return unpack4(a.x, a.y, b.x, b.y);
     }
-    let w = e / 2u;
-    return half4(qb[w], qb[w + 1u]);
+    let w = qb[e / 4u];
+    return half4(w.x, w.y);
 }
 fn load_k(e: u32) -> vec4<f32> {
     if (DT == 0u) {
-        return unpack4(kb[e], kb[e + 1u], kb[e + 2u], kb[e + 3u]);
+        let a = kb[e / 2u];
+        let b = kb[e / 2u + 1u];
+        return unpack4(a.x, a.y, b.x, b.y);
     }
-    let w = e / 2u;
-    return half4(kb[w], kb[w + 1u]);
+    let w = kb[e / 4u];
+    return half4(w.x, w.y);
 }
 // Integer test, so that no finite-math assumption of a compiler can remove it.
 fn finite4(x: vec4<f32>) -> vec4<f32> {
@@ -105,23 +111,21 @@ fn finite4(x: vec4<f32>) -> vec4<f32> {
 }
 fn load_v(e: u32) -> vec4<f32> {
     if (DT == 0u) {
-        return finite4(unpack4(vb[e], vb[e + 1u], vb[e + 2u], vb[e + 3u]));
+        let a = vb[e / 2u];
+        let b = vb[e / 2u + 1u];
+        return finite4(unpack4(a.x, a.y, b.x, b.y));
     }
-    let w = e / 2u;
-    return finite4(half4(vb[w], vb[w + 1u]));
+    let w = vb[e / 4u];
+    return finite4(half4(w.x, w.y));
 }
 fn store_o(e: u32, x: vec4<f32>) {
     if (DT == 0u) {
-        ob[e] = bitcast<u32>(x.x);
-        ob[e + 1u] = bitcast<u32>(x.y);
-        ob[e + 2u] = bitcast<u32>(x.z);
-        ob[e + 3u] = bitcast<u32>(x.w);
+        ob[e / 2u] = bitcast<vec2<u32>>(x.xy);
+        ob[e / 2u + 1u] = bitcast<vec2<u32>>(x.zw);
     } else if (DT == 1u) {
-        ob[e / 2u] = pack2x16float(x.xy);
-        ob[e / 2u + 1u] = pack2x16float(x.zw);
+        ob[e / 4u] = vec2<u32>(pack2x16float(x.xy), pack2x16float(x.zw));
     } else {
-        ob[e / 2u] = to_bf16(x.x) | (to_bf16(x.y) << 16u);
-        ob[e / 2u + 1u] = to_bf16(x.z) | (to_bf16(x.w) << 16u);
+        ob[e / 4u] = vec2<u32>(to_bf16(x.x) | (to_bf16(x.y) << 16u), to_bf16(x.z) | (to_bf16(x.w) << 16u));
     }
 }
 
@@ -150,13 +154,24 @@ fn seq_of(b: u32) -> Seq {
     return Seq(q0, ql, 0u, md[ck + b]);
 }
 
-fn k_row(b: u32, s: Seq, t: u32) -> u32 {
-    if (md[M_KIND] == 2u) {
-        let bs = md[M_BS];
-        let blk = md[md[M_OFF_BT] + b * md[M_MAXB] + t / bs];
-        return blk * bs + t % bs;
+// Where the kv tokens of one sequence are, read from the metadata once per workgroup.
+struct Kv {
+    paged: bool,
+    bs: u32,
+    bt: u32, // first block-table entry of the sequence in md
+    k0: u32,
+}
+
+fn kv_of(b: u32, s: Seq) -> Kv {
+    return Kv(md[M_KIND] == 2u, max(md[M_BS], 1u), md[M_OFF_BT] + b * md[M_MAXB], s.k0);
+}
+
+// Row of kv token `t` in k/v seen as [rows, Hkv, D].
+fn k_row(kvl: Kv, t: u32) -> u32 {
+    if (kvl.paged) {
+        return md[kvl.bt + t / kvl.bs] * kvl.bs + t % kvl.bs;
     }
-    return s.k0 + t;
+    return kvl.k0 + t;
 }
 
 fn key_range(i: u32, s: Seq) -> vec2<i32> {
@@ -190,6 +205,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let hkv = md[M_HKV];
     let g = hq / hkv;
     let s = seq_of(b);
+    let kvi = kv_of(b, s);
     let nrows = s.ql * g;
     let p0 = wid.x * BQ;
     if (p0 >= nrows) {
@@ -246,7 +262,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
 
     // Q tile, transposed: qt[d][row group] holds rows 4*rg..4*rg+3 at d.
-    for (var x = tid; x < QG * D4; x += WG) {
+    // A constant trip count, so that the compiler can unroll and keep several loads in flight.
+    for (var it = 0u; it < (QG * D4 + WG - 1u) / WG; it++) {
+        let x = tid + it * WG;
+        if (x >= QG * D4) {
+            break;
+        }
         let rg = x / D4;
         let c = x % D4;
         var blk: array<vec4<f32>, 4>;
@@ -275,7 +296,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var j0 = start; j0 < end; j0 += i32(BK)) {
         workgroupBarrier(); // kv and pt are free (and the Q tile is written)
         // K tile, transposed: kv[d][key group].
-        for (var x = tid; x < KG * D4; x += WG) {
+        // A constant trip count, so that the compiler can unroll and keep several loads in flight.
+        for (var it = 0u; it < (KG * D4 + WG - 1u) / WG; it++) {
+            let x = tid + it * WG;
+            if (x >= KG * D4) {
+                break;
+            }
             let kg = x / D4;
             let c = x % D4;
             var blk: array<vec4<f32>, 4>;
@@ -283,7 +309,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 let j = j0 + i32(kg * 4u + kj);
                 var val = vec4<f32>(0.0);
                 if (j < end) {
-                    val = load_k((k_row(b, s, u32(j)) * hkv + kh) * D + c * 4u);
+                    val = load_k((k_row(kvi, u32(j)) * hkv + kh) * D + c * 4u);
                 }
                 blk[kj] = val;
             }
@@ -330,11 +356,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         workgroupBarrier(); // scores complete; K is consumed
 
         // V tile, row-major, into the same buffer; meanwhile one thread per row does the softmax.
-        for (var x = tid; x < BK * D4; x += WG) {
+        // A constant trip count, so that the compiler can unroll and keep several loads in flight.
+        for (var it = 0u; it < (BK * D4 + WG - 1u) / WG; it++) {
+            let x = tid + it * WG;
+            if (x >= BK * D4) {
+                break;
+            }
             let j = j0 + i32(x / D4);
             var val = vec4<f32>(0.0);
             if (j < end) {
-                val = load_v((k_row(b, s, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
+                val = load_v((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
             }
             kv[x] = val;
         }

@@ -58,7 +58,7 @@ fn every_specialisation_validates() {
                 let tiles: &[(usize, usize, usize)] = if name.contains("_mt") {
                     &[(32, 32, 0), (16, 32, 0), (32, 16, 0), (16, 16, 0)]
                 } else {
-                    &[(16, 32, 4), (16, 4, 4), (1, 32, 32), (2, 32, 32), (4, 16, 16), (8, 8, 8)]
+                    &[(16, 32, 4), (16, 4, 4), (1, 32, 64), (1, 4, 64), (2, 32, 32), (4, 16, 16), (8, 8, 8)]
                 };
                 for &(bq, bk, r) in tiles {
                     let s = specialize(&src, &[("D", d), ("DT", dt), ("BQ", bq), ("BK", bk), ("R", r)]);

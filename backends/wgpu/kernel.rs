@@ -65,10 +65,10 @@ fn wg_bytes(p: &Plan, d: usize) -> usize {
 fn rows_plan(d: usize, rows: usize, limit: u32) -> Option<Plan> {
     let first = rows.clamp(1, 16).next_power_of_two();
     [1, 2, 4, 8, 16].into_iter().filter(|&bq| bq >= first).find_map(|bq| {
-        let r = (64 / bq).clamp(4, 32);
+        let r = (64 / bq).max(4);
         BK_CHOICES
             .into_iter()
-            .filter(|&bk| bk >= r && bk % r == 0 && bk <= 32)
+            .filter(|&bk| bk <= 32)
             .map(|bk| Plan { kernel: Kernel::Rows, bq, bk, r })
             .find(|p| wg_bytes(p, d) <= limit as usize)
     })
@@ -220,7 +220,12 @@ impl State {
                     layout: None,
                     module: &module,
                     entry_point: Some("main"),
-                    compilation_options: Default::default(),
+                    // Every workgroup array is written before it is read (each shader says how), so
+                    // the zero fill wgpu would insert at every workgroup's start is wasted work.
+                    compilation_options: ::wgpu::PipelineCompilationOptions {
+                        zero_initialize_workgroup_memory: false,
+                        ..Default::default()
+                    },
                     cache: None,
                 })
             })

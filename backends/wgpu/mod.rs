@@ -38,7 +38,7 @@ fn backend_err(msg: impl Into<String>) -> Error {
     Error::Backend { backend: NAME, msg: msg.into() }
 }
 
-/// Device memory of the `wgpu` backend: one storage buffer, its size rounded up to whole 32-bit
+/// Device memory of the `wgpu` backend: one storage buffer, its size rounded up to whole 8-byte
 /// words (at least one).
 #[derive(Debug, Clone)]
 pub struct WgpuStorage {
@@ -57,9 +57,10 @@ impl WgpuStorage {
     }
 }
 
-/// Bytes of a buffer holding `n` elements of `dtype`: whole words, at least one.
+/// Bytes of a buffer holding `n` elements of `dtype`: whole 8-byte words (the kernels read
+/// tensors as `vec2<u32>`), at least one.
 fn buffer_bytes(n: usize, dtype: DType) -> u64 {
-    ((n * dtype.size()).div_ceil(4).max(1) * 4) as u64
+    ((n * dtype.size()).div_ceil(8).max(1) * 8) as u64
 }
 
 /// What is shared by every backend instance on one wgpu device.
@@ -210,7 +211,7 @@ impl WgpuBackend {
 
     /// Wrap a caller's buffer as a tensor of this backend. The buffer needs usage `STORAGE` (and
     /// `COPY_SRC`/`COPY_DST` for download/write) and at least `shape.product() * dtype.size()` bytes
-    /// rounded up to a multiple of 4.
+    /// rounded up to a multiple of 8.
     pub fn tensor_from_buffer(&self, buffer: ::wgpu::Buffer, shape: &[usize], dtype: DType) -> Result<Tensor> {
         let need = buffer_bytes(shape.iter().product(), dtype);
         if buffer.size() < need {
@@ -251,10 +252,10 @@ impl WgpuBackend {
     }
 }
 
-/// Host bytes of a host tensor, padded to whole words.
+/// Host bytes of a host tensor, padded to whole 8-byte words (as [`buffer_bytes`]).
 fn padded_bytes(h: &HostData) -> Vec<u8> {
     let mut b = h.to_le_bytes();
-    let n = b.len().div_ceil(4).max(1) * 4;
+    let n = b.len().div_ceil(8).max(1) * 8;
     b.resize(n, 0);
     b
 }
