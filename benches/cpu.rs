@@ -2,9 +2,11 @@
 //!
 //! Peers: candle's matmul-softmax-matmul attention (`q·kᵀ`, `softmax_last_dim`, `·v`, the head
 //! transposes included since the inputs are `[B, S, H, D]` as for attnkit) and candle-nn's
-//! `attention::cpu_flash::flash_attn`. After criterion's report a table prints, per case, the
-//! median time of each implementation, attnkit's GFLOP/s and fraction of the measured FMA peak,
-//! and the ratios. Decode (paged, Sq = 1) is compared with a plain memory copy of the same machine.
+//! `attention::cpu_flash::flash_attn`. After criterion's report, each case runs again as
+//! interleaved rounds (attnkit, its peers, the FMA peak, in turn, so load from elsewhere on a
+//! shared machine hits them alike), and a table prints the medians: attnkit's GFLOP/s and fraction
+//! of the FMA peak of the same rounds, and the ratios. Decode (paged, Sq = 1) is compared with a
+//! plain memory copy on the same machine.
 //!
 //! `cargo bench --features cpu --bench cpu -- --warm-up-time 1 --measurement-time 3`
 //! A criterion filter after `--` narrows the cases (`f32`, `decode`, ...). candle's cpu_flash at
@@ -31,6 +33,22 @@ fn median(id: &str) -> Option<f64> {
     let mut v = t.get(id)?.clone();
     v.sort_by(f64::total_cmp);
     Some(v[v.len() / 2])
+}
+
+/// Rounds of the interleaved measurement behind the summary table (`ATTNKIT_BENCH_ROUNDS`, 5).
+fn rounds() -> usize {
+    std::env::var("ATTNKIT_BENCH_ROUNDS").ok().and_then(|s| s.parse().ok()).unwrap_or(5)
+}
+
+/// Seconds of one call.
+fn once(mut f: impl FnMut()) -> f64 {
+    let t = Instant::now();
+    f();
+    t.elapsed().as_secs_f64()
+}
+
+fn record_secs(id: &str, secs: f64) {
+    TIMES.lock().unwrap().entry(id.to_string()).or_default().push(secs);
 }
 
 /// splitmix64 uniform in [-amp, amp): random, never zeros.
@@ -164,6 +182,34 @@ fn bench_prefill(c: &mut Criterion, case: &Case) {
         });
     }
     g.finish();
+
+    // The table: attnkit and its peers called in turn, round after round, with the FMA peak
+    // measured in each round too, so a load that comes and goes on a shared machine hits all of
+    // them alike. Only when criterion ran this case (a filter may have skipped it).
+    if median(&format!("{id}/attnkit")).is_none() {
+        return;
+    }
+    let full = AttnCall::dense(&q, &k, &v);
+    for _ in 0..rounds() {
+        record_secs(&format!("il/{id}/attnkit"), once(|| drop(be.forward(&call, Some(&mut out), None).unwrap())));
+        if case.causal {
+            record_secs(
+                &format!("il/{id}/attnkit_full"),
+                once(|| drop(be.forward(&full, Some(&mut out), None).unwrap())),
+            );
+        }
+        record_secs(
+            &format!("il/{id}/candle_matmul"),
+            once(|| drop(std::hint::black_box(candle_matmul(&cq, &ck, &cv, scale, mask.as_ref())))),
+        );
+        if case.dtype == DType::F32 || std::env::var("ATTNKIT_BENCH_SLOW_PEERS").is_ok() {
+            record_secs(
+                &format!("il/{id}/candle_flash"),
+                once(|| drop(std::hint::black_box(candle_flash(&cq, &ck, &cv, scale as f32, case.causal)))),
+            );
+        }
+        record_secs(&format!("il/{id}/peak"), attnkit::cpu::fma_peak_gflops().0);
+    }
 }
 
 /// Decode: Sq = 1, Hq 32 / Hkv 8, D 128, f16, paged with blocks of 16 in shuffled order.
@@ -220,6 +266,19 @@ fn bench_decode(c: &mut Criterion) {
         })
     });
     g.finish();
+    if median("decode/attnkit").is_none() {
+        return;
+    }
+    for _ in 0..4 * rounds() {
+        record_secs("il/decode/attnkit", once(|| drop(be.forward(&call, Some(&mut out), None).unwrap())));
+        record_secs(
+            "il/decode/memcpy",
+            once(|| {
+                dst.par_chunks_mut(chunk).zip(src.par_chunks(chunk)).for_each(|(d, s)| d.copy_from_slice(s));
+                std::hint::black_box(&mut dst);
+            }),
+        );
+    }
 }
 
 fn cases() -> Vec<Case> {
@@ -234,50 +293,55 @@ fn cases() -> Vec<Case> {
     v
 }
 
-fn summary(peak: f64, isa: &str) {
+fn summary(isa: &str) {
     let ms = |x: Option<f64>| x.map_or("-".to_string(), |t| format!("{:.1}", t * 1e3));
     let ratio = |a: Option<f64>, b: Option<f64>| match (a, b) {
         (Some(a), Some(b)) => format!("{:.2}x", b / a),
         _ => "-".into(),
     };
-    println!("\nFMA peak (measured now, {isa}, {} threads): {peak:.0} GFLOP/s", rayon::current_num_threads());
     println!(
-        "| case (B x H x S x D / dtype / mask) | attnkit ms | GFLOP/s | of FMA peak | candle matmul ms | speedup | candle cpu_flash ms | speedup | causal / full time |"
+        "\nMedians of {} interleaved rounds per case ({isa}, {} threads); the FMA peak is measured in the same rounds.",
+        rounds(),
+        rayon::current_num_threads()
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!(
+        "| case (B x H x S x D / dtype / mask) | attnkit ms | GFLOP/s | FMA peak GFLOP/s | of FMA peak | candle matmul ms | speedup | candle cpu_flash ms | speedup | causal / full time |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for c in cases() {
         let id = c.id();
-        let a = median(&format!("{id}/attnkit"));
-        let m = median(&format!("{id}/candle_matmul"));
-        let f = median(&format!("{id}/candle_flash"));
-        let gf = a.map(|t| flops(c.h, c.s, c.d, c.causal) / t / 1e9);
-        let cr = if c.causal {
-            let full = Case { causal: false, ..c };
-            match (a, median(&format!("{}/attnkit", full.id()))) {
-                (Some(x), Some(y)) => format!("{:.3}", x / y),
-                _ => "-".into(),
-            }
-        } else {
-            String::new()
-        };
-        if a.is_none() && m.is_none() && f.is_none() {
+        let a = median(&format!("il/{id}/attnkit"));
+        let m = median(&format!("il/{id}/candle_matmul"));
+        let f = median(&format!("il/{id}/candle_flash"));
+        let peak = median(&format!("il/{id}/peak"));
+        if a.is_none() {
             continue;
         }
+        let gf = a.map(|t| flops(c.h, c.s, c.d, c.causal) / t / 1e9);
+        let cr = match (c.causal, a, median(&format!("il/{id}/attnkit_full"))) {
+            (true, Some(x), Some(y)) => format!("{:.3}", x / y),
+            _ => String::new(),
+        };
         println!(
-            "| {id} | {} | {} | {} | {} | {} | {} | {} | {cr} |",
+            "| {id} | {} | {} | {} | {} | {} | {} | {} | {} | {cr} |",
             ms(a),
             gf.map_or("-".into(), |g| format!("{g:.1}")),
-            gf.map_or("-".into(), |g| format!("{:.1}%", 100.0 * g / peak)),
+            peak.map_or("-".into(), |p| format!("{p:.0}")),
+            match (gf, peak) {
+                (Some(g), Some(p)) => format!("{:.1}%", 100.0 * g / p),
+                _ => "-".into(),
+            },
             ms(m),
             ratio(a, m),
             ms(f),
             ratio(a, f)
         );
     }
-    if let (Some(a), Some(m)) = (median("decode/attnkit"), median("decode/memcpy")) {
+    if let (Some(a), Some(m)) = (median("il/decode/attnkit"), median("il/decode/memcpy")) {
         let b = decode_bytes();
         println!(
-            "decode Sq=1 Hq32/Hkv8 D128 paged16 Sk32768 f16: attnkit {:.2} ms = {:.1} GB/s of K+V read; memcpy of the same bytes {:.2} ms = {:.1} GB/s copied; ratio {:.0}%",
+            "decode Sq=1 Hq32/Hkv8 D128 paged16 Sk32768 f16 ({} interleaved rounds): attnkit {:.2} ms = {:.1} GB/s of K+V read; memcpy of the same bytes {:.2} ms = {:.1} GB/s copied; attnkit reads at {:.0}% of the copy rate",
+            4 * rounds(),
             a * 1e3,
             b / a / 1e9,
             m * 1e3,
@@ -318,18 +382,14 @@ fn extra_memory() -> Option<(f64, f64)> {
 
 fn main() {
     let mem = extra_memory();
-    let (peak, isa) = attnkit::cpu::fma_peak_gflops();
+    let isa = attnkit::cpu::fma_peak_gflops().1;
     let mut c = Criterion::default().sample_size(10).configure_from_args();
     for case in cases() {
         bench_prefill(&mut c, &case);
     }
     bench_decode(&mut c);
     c.final_summary();
-    // Measured again at the end: on a shared machine the two differ, and the larger is the
-    // conservative denominator.
-    let (peak2, _) = attnkit::cpu::fma_peak_gflops();
-    println!("\nFMA peak at the start {peak:.0} GFLOP/s, at the end {peak2:.0} GFLOP/s; the table uses the larger.");
-    summary(peak.max(peak2), isa);
+    summary(isa);
     match mem {
         Some((mib, secs)) => println!(
             "extra peak resident memory of one forward over (1, 8, 16384, 64) f32 (inputs + output 128 MiB): {mib:.1} MiB ({secs:.2} s)"
