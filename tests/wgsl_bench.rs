@@ -153,9 +153,14 @@ fn bench() {
         wgpu.capabilities().head_dims
     );
     let cuda = attnkit::by_name("cuda").ok();
+    // The other kernel variant on the first prefill and decode shapes, for the notes.
+    let mut rows = wgpu.clone();
+    rows.set_kernel(Some(attnkit::wgpu::Kernel::Rows));
+    let mut mt = wgpu.clone();
+    mt.set_kernel(Some(attnkit::wgpu::Kernel::MicroTile));
     let mut rng = Rng::new(1);
-    eprintln!("| shape | wgpu ms | wgpu TFLOP/s | wgpu KV GB/s | cuda ms | wgpu/cuda time |");
-    eprintln!("|---|---|---|---|---|---|");
+    eprintln!("| shape | wgpu ms | wgpu TFLOP/s | wgpu KV GB/s | cuda ms | wgpu/cuda time | other wgpu kernel ms |");
+    eprintln!("|---|---|---|---|---|---|---|");
     for s in &shapes {
         let tw = match time(&wgpu, s, &mut rng) {
             Ok(t) => t,
@@ -165,14 +170,17 @@ fn bench() {
             }
         };
         let tc = cuda.as_ref().and_then(|c| time(&**c, s, &mut rng).ok());
+        let other = if s.block == 0 { &rows } else { &mt };
+        let to = if s.dtype == DType::F16 && !s.causal || s.hkv == 32 { time(other, s, &mut rng).ok() } else { None };
         eprintln!(
-            "| {} | {:.3} | {:.2} | {:.0} | {} | {} |",
+            "| {} | {:.3} | {:.2} | {:.0} | {} | {} | {} |",
             s.name(),
             tw * 1e3,
             s.flops() / tw / 1e12,
             s.kv_bytes() / tw / 1e9,
             tc.map(|t| format!("{:.3}", t * 1e3)).unwrap_or("-".into()),
             tc.map(|t| format!("{:.2}", tw / t)).unwrap_or("-".into()),
+            to.map(|t| format!("{:.3}", t * 1e3)).unwrap_or("-".into()),
         );
     }
 }
