@@ -261,16 +261,15 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     // A constant trip count, so that the compiler can unroll and keep several loads in flight.
     for (var it = 0u; it < (BQ * D4 + WG - 1u) / WG; it++) {
         let x = tid + it * WG;
-        if (x >= BQ * D4) {
-            break;
+        if (x < BQ * D4) {
+            let pr = p0 + x / D4;
+            var val = vec4<f32>(0.0);
+            if (pr < s.ql * g) {
+                let hh = kh * g + pr % g;
+                val = load_q(((s.q0 + pr / g) * hq + hh) * D + (x % D4) * 4u);
+            }
+            qs[(x / D4) * QS + x % D4] = val;
         }
-        let pr = p0 + x / D4;
-        var val = vec4<f32>(0.0);
-        if (pr < s.ql * g) {
-            let hh = kh * g + pr % g;
-            val = load_q(((s.q0 + pr / g) * hq + hh) * D + (x % D4) * 4u);
-        }
-        qs[(x / D4) * QS + x % D4] = val;
     }
 
     var m = NEG;
@@ -285,19 +284,18 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         // A constant trip count, so that the compiler can unroll and keep several loads in flight.
         for (var it = 0u; it < (BK * D4 + WG - 1u) / WG; it++) {
             let x = tid + it * WG;
-            if (x >= BK * D4) {
-                break;
+            if (x < BK * D4) {
+                let j = j0 + i32(x / D4);
+                var kv = vec4<f32>(0.0);
+                var vv = vec4<f32>(0.0);
+                if (j < end) {
+                    let e = (k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u;
+                    kv = load_k(e);
+                    vv = load_v(e);
+                }
+                ks[(x / D4) * QS + x % D4] = kv;
+                vs[x] = vv;
             }
-            let j = j0 + i32(x / D4);
-            var kv = vec4<f32>(0.0);
-            var vv = vec4<f32>(0.0);
-            if (j < end) {
-                let e = (k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u;
-                kv = load_k(e);
-                vv = load_v(e);
-            }
-            ks[(x / D4) * QS + x % D4] = kv;
-            vs[x] = vv;
         }
         workgroupBarrier();
 

@@ -265,24 +265,23 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     // A constant trip count, so that the compiler can unroll and keep several loads in flight.
     for (var it = 0u; it < (QG * D4 + WG - 1u) / WG; it++) {
         let x = tid + it * WG;
-        if (x >= QG * D4) {
-            break;
-        }
-        let rg = x / D4;
-        let c = x % D4;
-        var blk: array<vec4<f32>, 4>;
-        for (var ri = 0u; ri < 4u; ri++) {
-            let p = p0 + rg * 4u + ri;
-            var val = vec4<f32>(0.0);
-            if (p < nrows) {
-                val = load_q(((s.q0 + p / g) * hq + kh * g + p % g) * D + c * 4u);
+        if (x < QG * D4) {
+            let rg = x / D4;
+            let c = x % D4;
+            var blk: array<vec4<f32>, 4>;
+            for (var ri = 0u; ri < 4u; ri++) {
+                let p = p0 + rg * 4u + ri;
+                var val = vec4<f32>(0.0);
+                if (p < nrows) {
+                    val = load_q(((s.q0 + p / g) * hq + kh * g + p % g) * D + c * 4u);
+                }
+                blk[ri] = val;
             }
-            blk[ri] = val;
+            qt[(c * 4u) * QG + rg] = vec4<f32>(blk[0].x, blk[1].x, blk[2].x, blk[3].x);
+            qt[(c * 4u + 1u) * QG + rg] = vec4<f32>(blk[0].y, blk[1].y, blk[2].y, blk[3].y);
+            qt[(c * 4u + 2u) * QG + rg] = vec4<f32>(blk[0].z, blk[1].z, blk[2].z, blk[3].z);
+            qt[(c * 4u + 3u) * QG + rg] = vec4<f32>(blk[0].w, blk[1].w, blk[2].w, blk[3].w);
         }
-        qt[(c * 4u) * QG + rg] = vec4<f32>(blk[0].x, blk[1].x, blk[2].x, blk[3].x);
-        qt[(c * 4u + 1u) * QG + rg] = vec4<f32>(blk[0].y, blk[1].y, blk[2].y, blk[3].y);
-        qt[(c * 4u + 2u) * QG + rg] = vec4<f32>(blk[0].z, blk[1].z, blk[2].z, blk[3].z);
-        qt[(c * 4u + 3u) * QG + rg] = vec4<f32>(blk[0].w, blk[1].w, blk[2].w, blk[3].w);
     }
 
     // Softmax state of row `tid` (threads tid < BQ).
@@ -299,24 +298,23 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         // A constant trip count, so that the compiler can unroll and keep several loads in flight.
         for (var it = 0u; it < (KG * D4 + WG - 1u) / WG; it++) {
             let x = tid + it * WG;
-            if (x >= KG * D4) {
-                break;
-            }
-            let kg = x / D4;
-            let c = x % D4;
-            var blk: array<vec4<f32>, 4>;
-            for (var kj = 0u; kj < 4u; kj++) {
-                let j = j0 + i32(kg * 4u + kj);
-                var val = vec4<f32>(0.0);
-                if (j < end) {
-                    val = load_k((k_row(kvi, u32(j)) * hkv + kh) * D + c * 4u);
+            if (x < KG * D4) {
+                let kg = x / D4;
+                let c = x % D4;
+                var blk: array<vec4<f32>, 4>;
+                for (var kj = 0u; kj < 4u; kj++) {
+                    let j = j0 + i32(kg * 4u + kj);
+                    var val = vec4<f32>(0.0);
+                    if (j < end) {
+                        val = load_k((k_row(kvi, u32(j)) * hkv + kh) * D + c * 4u);
+                    }
+                    blk[kj] = val;
                 }
-                blk[kj] = val;
+                kv[(c * 4u) * KG + kg] = vec4<f32>(blk[0].x, blk[1].x, blk[2].x, blk[3].x);
+                kv[(c * 4u + 1u) * KG + kg] = vec4<f32>(blk[0].y, blk[1].y, blk[2].y, blk[3].y);
+                kv[(c * 4u + 2u) * KG + kg] = vec4<f32>(blk[0].z, blk[1].z, blk[2].z, blk[3].z);
+                kv[(c * 4u + 3u) * KG + kg] = vec4<f32>(blk[0].w, blk[1].w, blk[2].w, blk[3].w);
             }
-            kv[(c * 4u) * KG + kg] = vec4<f32>(blk[0].x, blk[1].x, blk[2].x, blk[3].x);
-            kv[(c * 4u + 1u) * KG + kg] = vec4<f32>(blk[0].y, blk[1].y, blk[2].y, blk[3].y);
-            kv[(c * 4u + 2u) * KG + kg] = vec4<f32>(blk[0].z, blk[1].z, blk[2].z, blk[3].z);
-            kv[(c * 4u + 3u) * KG + kg] = vec4<f32>(blk[0].w, blk[1].w, blk[2].w, blk[3].w);
         }
         workgroupBarrier();
 
@@ -359,15 +357,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         // A constant trip count, so that the compiler can unroll and keep several loads in flight.
         for (var it = 0u; it < (BK * D4 + WG - 1u) / WG; it++) {
             let x = tid + it * WG;
-            if (x >= BK * D4) {
-                break;
+            if (x < BK * D4) {
+                let j = j0 + i32(x / D4);
+                var val = vec4<f32>(0.0);
+                if (j < end) {
+                    val = load_v((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
+                }
+                kv[x] = val;
             }
-            let j = j0 + i32(x / D4);
-            var val = vec4<f32>(0.0);
-            if (j < end) {
-                val = load_v((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
-            }
-            kv[x] = val;
         }
         for (var r = tid; r < BQ; r += WG) {
             let rg = r / 4u;
@@ -427,51 +424,51 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var ri = 0u; ri < 4u; ri++) {
         let r = ty * 4u + ri;
         let p = p0 + r;
-        if (p >= nrows) {
-            break;
-        }
-        let i = p / g;
-        let h = kh * g + p % g;
-        let row = s.q0 + i;
-        let lr = l_s[r];
-        let mr = m_s[r];
-        var inv = 0.0;
-        if (lr > 0.0) {
-            inv = 1.0 / lr;
-        }
-        if (splits == 1u) {
-            let base = (row * hq + h) * D;
-            for (var n = 0u; n < NV; n++) {
-                let c = tx + n * KG;
-                if (c < D4) {
-                    store_o(base + c * 4u, o[ri * NV + n] * inv);
-                }
+        // No `break`: a loop of constant trip count unrolls, and `o` stays in registers.
+        if (p < nrows) {
+            let i = p / g;
+            let h = kh * g + p % g;
+            let row = s.q0 + i;
+            let lr = l_s[r];
+            let mr = m_s[r];
+            var inv = 0.0;
+            if (lr > 0.0) {
+                inv = 1.0 / lr;
             }
-            if (tx == 0u && md[M_LSE] != 0u) {
-                var lv = bitcast<f32>(0xff800000u); // -inf
-                if (lr > 0.0) {
-                    lv = mr + log(lr);
+            if (splits == 1u) {
+                let base = (row * hq + h) * D;
+                for (var n = 0u; n < NV; n++) {
+                    let c = tx + n * KG;
+                    if (c < D4) {
+                        store_o(base + c * 4u, o[ri * NV + n] * inv);
+                    }
                 }
-                var li = h * md[M_TQ] + row;
-                if (md[M_KIND] == 0u) {
-                    li = (b * hq + h) * md[M_SQ] + i;
+                if (tx == 0u && md[M_LSE] != 0u) {
+                    var lv = bitcast<f32>(0xff800000u); // -inf
+                    if (lr > 0.0) {
+                        lv = mr + log(lr);
+                    }
+                    var li = h * md[M_TQ] + row;
+                    if (md[M_KIND] == 0u) {
+                        li = (b * hq + h) * md[M_SQ] + i;
+                    }
+                    lseb[li] = lv;
                 }
-                lseb[li] = lv;
-            }
-        } else {
-            let pi = (split * md[M_TQ] + row) * hq + h;
-            for (var n = 0u; n < NV; n++) {
-                let c = tx + n * KG;
-                if (c < D4) {
-                    part_o[pi * D4 + c] = o[ri * NV + n] * inv;
+            } else {
+                let pi = (split * md[M_TQ] + row) * hq + h;
+                for (var n = 0u; n < NV; n++) {
+                    let c = tx + n * KG;
+                    if (c < D4) {
+                        part_o[pi * D4 + c] = o[ri * NV + n] * inv;
+                    }
                 }
-            }
-            if (tx == 0u) {
-                var lv = NEG;
-                if (lr > 0.0) {
-                    lv = mr + log(lr);
+                if (tx == 0u) {
+                    var lv = NEG;
+                    if (lr > 0.0) {
+                        lv = mr + log(lr);
+                    }
+                    part_lse[pi] = lv;
                 }
-                part_lse[pi] = lv;
             }
         }
     }
