@@ -343,7 +343,7 @@ pub fn print_table(rows: &[Row], peak: Option<(f64, &str)>) {
     }
     if let Some((g, isa)) = peak {
         println!(
-            "cpu: measured f32 FMA peak {g:.1} GFLOP/s ({isa}, {} threads); % peak = achieved FLOP/s / that peak",
+            "cpu: measured f32 FMA peak {g:.1} GFLOP/s ({isa}, {} threads, the higher of before and after the runs); % peak = achieved FLOP/s / that peak",
             rayon::current_num_threads()
         );
     }
