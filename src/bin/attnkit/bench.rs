@@ -321,7 +321,7 @@ pub fn print_table(rows: &[Row], peak: Option<(f64, &str)>) {
         let cpu =
             rows.iter().find(|c| c.backend == "cpu" && c.note.is_none() && c.shape == r.shape && c.causal == r.causal);
         let vs = match cpu {
-            Some(c) if r.backend != "cpu" => format!("{:.1}x", c.median_s / r.median_s),
+            Some(c) if r.backend != "cpu" => format!("{:.2}x", c.median_s / r.median_s),
             _ => "-".into(),
         };
         let gb = if r.decode { sig(r.gbps()) } else { "-".into() };
