@@ -1,11 +1,14 @@
 //! `wgpu`: tiled flash attention in WGSL, on any GPU wgpu reaches (Vulkan, Metal, DX12; Mesa's
 //! lavapipe in CI).
 //!
-//! - One kernel family (`shaders/flash_attn.wgsl`), specialised per (dtype, head dim, tile) and
-//!   compiled once per configuration; a split-KV variant for short-query, long-key calls merged by
-//!   `shaders/combine.wgsl`.
-//! - Every dtype is stored as 32-bit words: f32 as is, f16 and bf16 two to a word, unpacked to f32
-//!   in registers (`unpack2x16float`, a shift for bf16), so the kernel needs no optional feature.
+//! - Two kernels, specialised per (dtype, head dim, tile) and compiled once per configuration:
+//!   `shaders/flash_attn_mt.wgsl` (4x4 register micro-tiles) for calls with 32+ rows per
+//!   sequence, `shaders/flash_attn.wgsl` (`Rows`: several threads per row) for short-query calls.
+//!   A row is a (query, query head of the GQA group) pair, so a group shares each K/V tile.
+//!   Short-query, long-key calls split the keys; `shaders/combine.wgsl` merges the splits by lse.
+//! - Every dtype is read as 8-byte words: two f32, or four f16/bf16 unpacked to f32 in registers
+//!   (`unpack2x16float`, a shift for bf16), so the kernels need no optional feature (not even
+//!   `shader-f16`); output is packed back (round-to-nearest-even for bf16).
 //! - Arithmetic is f32; no subgroup operations, so nothing depends on the subgroup size.
 //! - With caller buffers `forward` allocates no device memory once warm: the metadata buffer and the
 //!   split-KV scratch grow only when a call needs more, and bind groups are cached per buffer set.
