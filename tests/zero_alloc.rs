@@ -366,13 +366,10 @@ fn cpu_forward_with_caller_buffers_allocates_nothing_inside_rayons_pool() {
     assert!(report.is_empty(), "cpu forward allocated with caller buffers:\n{}", report.join("\n"));
 }
 
-/// The contract as a model calls it, from its own thread. This fails today: each call from
-/// outside rayon's pool pushes one job on rayon's global injector (crossbeam-deque `Injector`),
-/// which allocates a new 1520-byte block every 63 pushes (`Block::new` in `Injector::push`, from
-/// `Registry::in_worker_cold`). The kernel itself allocates nothing (the test above). Run with
-/// `cargo test --test zero_alloc -- --ignored` to see the backtrace.
+/// The contract as a model calls it, from its own thread. A rayon loop started from outside a
+/// pool would push a job on rayon's global injector, which allocates a block every 63 pushes; the
+/// cpu backend hands calls to its own pool through a condition variable instead (`pool.rs`).
 #[test]
-#[ignore = "rayon's injector allocates a block every 63 calls made from outside its pool"]
 fn cpu_forward_with_caller_buffers_allocates_nothing_from_a_plain_thread() {
     let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
     let report = allocations_in_forward(false);

@@ -10,6 +10,7 @@
 
 mod kernel;
 mod peak;
+mod pool;
 mod simd;
 
 use std::sync::Mutex;
@@ -29,7 +30,8 @@ pub(crate) fn run_slices<T: kernel::Element>(
 ) {
     static PARTIAL: Mutex<Vec<f32>> = Mutex::new(Vec::new());
     let mut partial = PARTIAL.lock().unwrap_or_else(|e| e.into_inner());
-    kernel::run(c, q, k, v, out, lse, &mut partial)
+    let (mut lse, partial) = (lse, &mut *partial);
+    pool::run(|| kernel::run(c, q, k, v, out, lse.as_deref_mut(), partial))
 }
 
 use crate::backend::{host_memory_impl, AttentionBackend};
@@ -51,7 +53,7 @@ pub struct CpuBackend {
 }
 
 impl CpuBackend {
-    /// The cpu backend on rayon's global pool.
+    /// The cpu backend (its worker pool starts on the first call).
     pub fn new() -> Result<Self> {
         Ok(CpuBackend::default())
     }
@@ -96,15 +98,16 @@ impl AttentionBackend for CpuBackend {
         let o = out.host_mut().ok_or_else(|| not_host("out"))?;
         let mut partial = self.partial.lock().unwrap_or_else(|e| e.into_inner());
         let partial = &mut *partial;
+        let mut lse = lse;
         match (q, k, v, o) {
             (HostData::F32(q), HostData::F32(k), HostData::F32(v), HostData::F32(o)) => {
-                kernel::run(c, q, k, v, o, lse, partial)
+                pool::run(|| kernel::run(c, q, k, v, o, lse.as_deref_mut(), partial))
             }
             (HostData::F16(q), HostData::F16(k), HostData::F16(v), HostData::F16(o)) => {
-                kernel::run(c, q, k, v, o, lse, partial)
+                pool::run(|| kernel::run(c, q, k, v, o, lse.as_deref_mut(), partial))
             }
             (HostData::BF16(q), HostData::BF16(k), HostData::BF16(v), HostData::BF16(o)) => {
-                kernel::run(c, q, k, v, o, lse, partial)
+                pool::run(|| kernel::run(c, q, k, v, o, lse.as_deref_mut(), partial))
             }
             _ => {
                 return Err(Error::Backend { backend: "cpu", msg: "q, k, v and out must share one float dtype".into() })
