@@ -96,26 +96,19 @@ extern "C" __global__ void __launch_bounds__(NT, 1) attn_mma(const AttnParams p)
         s_hi = 0;
     }
     __syncthreads();
-    int rlo[MT][2], rhi[MT][2], ria[MT][2];
-    float rslope[MT][2];
+    // Only the visible interval of each row stays in registers; ALiBi/softcap inputs are
+    // recomputed per tile when used (cheaper than holding them through the loop at d 128).
+    int rlo[MT][2], rhi[MT][2];
     int t_lo_max = 0, t_hi_min = ATTN_INT_MAX;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
         for (int hf = 0; hf < 2; ++hf) {
             const int m = m0 + warp * MT * 16 + mt * 16 + hf * 8 + (lane >> 2);
-            int lo = 0, hi = 0, ia = 0;
-            float sl = 0.f;
-            if (m < R) {
-                const int i = m / p.group, h = kvh * p.group + m % p.group;
-                key_range(p, s, i, lo, hi);
-                ia = i + s.k_len - s.q_len;
-                sl = p.alibi ? p.alibi[h] : 0.f;
-            }
+            int lo = 0, hi = 0;
+            if (m < R) key_range(p, s, m / p.group, lo, hi);
             rlo[mt][hf] = lo;
             rhi[mt][hf] = hi;
-            ria[mt][hf] = ia;
-            rslope[mt][hf] = sl;
             t_lo_max = max(t_lo_max, lo);
             t_hi_min = min(t_hi_min, hi);
             if (hi > lo) {
@@ -198,6 +191,13 @@ extern "C" __global__ void __launch_bounds__(NT, 1) attn_mma(const AttnParams p)
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
                     float mx = -ATTN_INF;
+                    int ia = 0;
+                    float slope = 0.f;
+                    if (post) {
+                        const int m = m0 + warp * MT * 16 + mt * 16 + hf * 8 + (lane >> 2);
+                        ia = m / p.group + s.k_len - s.q_len;
+                        slope = p.alibi && m < R ? p.alibi[kvh * p.group + m % p.group] : 0.f;
+                    }
 #pragma unroll
                     for (int nt = 0; nt < NTN; ++nt) {
 #pragma unroll
@@ -205,7 +205,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) attn_mma(const AttnParams p)
                             const int j = n0 + nt * 8 + 2 * (lane & 3) + e;
                             float x = S[mt][nt][hf * 2 + e];
                             if (post) {
-                                x = score_post(p, x * p.scale, rslope[mt][hf], ria[mt][hf], j) * ATTN_LOG2E;
+                                x = score_post(p, x * p.scale, slope, ia, j) * ATTN_LOG2E;
                             } else {
                                 x *= p.scale_log2;
                             }

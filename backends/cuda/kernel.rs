@@ -109,10 +109,13 @@ pub fn mma_dpad(d: usize) -> usize {
 }
 
 /// Kernel traits per padded head dim. ATTNKIT_CUDA_TILE=BM,BN,NW overrides them (for tuning).
-/// Initial choice, FlashAttention-2's for sm80+: 128x64 with 4 warps up to d 128 (32 rows per
-/// warp, so each K fragment feeds two MMAs), 128x64 with 8 warps above (the O accumulator of
-/// 32 rows would not fit in registers). NVRTC for sm_90 reports 229 / 255 / 248 registers for
-/// d 64 / 128 / 256, with 124 bytes of spills at d 128.
+/// These are FlashAttention-2's for sm80+: 128x64 with 4 warps up to d 128 (32 rows per warp,
+/// so each K fragment feeds two MMAs), 128x64 with 8 warps above (252 registers at d 256, no
+/// spills). They are the traits the conformance suite passed with on an H200. They are not the
+/// fastest there: NVRTC for sm_90 reports 229 / 255 registers at d 64 / 128 (~110 bytes of
+/// spills at d 128), and the same run timed d 64 at 84.8 TFLOP/s with them against 110.9 with
+/// 64x64 and 4 warps (180 registers at d 128, no spills); that shape becomes the default once
+/// the suite has run with it on the device. docs/PERF_NOTES.md has the sweep.
 pub fn mma_traits(d: usize) -> MmaTraits {
     let dpad = mma_dpad(d);
     if let Ok(s) = std::env::var("ATTNKIT_CUDA_TILE") {
@@ -207,7 +210,11 @@ pub fn plan(c: &Checked<'_>, sms: usize, force: Option<&str>) -> Plan {
         let rmax = rows.max(1).next_power_of_two();
         let lpk = (c.d / 8).max(1).next_power_of_two();
         let ctas = (c.batch * c.hkv).max(1);
-        let target = 3 * sms.max(1);
+        // About three CTAs per SM, each split keeping at least 256 keys (the planner the suite
+        // passed with on an H200). More CTAs should help batch-1 decode (13 splits reached 2.9 of
+        // FA2's 3.8 TB/s there); ATTNKIT_CUDA_SPLIT_TARGET scales the target for that sweep.
+        let mult = std::env::var("ATTNKIT_CUDA_SPLIT_TARGET").ok().and_then(|s| s.parse().ok()).unwrap_or(3usize);
+        let target = mult.max(1) * sms.max(1);
         let by_len = (c.max_k / 256).max(1);
         let splits = if ctas >= target { 1 } else { target.div_ceil(ctas).min(by_len).clamp(1, 64) };
         Plan::Decode { lpk, rmax, splits }
