@@ -39,8 +39,10 @@ case "$cmd" in
       for name in conformance cuda_graph; do
         t="$here/bin/$name"
         [[ -x $t ]] || continue
-        echo "=== compute-sanitizer --tool $tool $name ${*:-cuda}"
-        ATTNKIT_CASES=${ATTNKIT_CASES:-8} compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" "${@:-cuda}" || rc=1
+        args=("$@")
+        [[ $name == conformance && $# -eq 0 ]] && args=("cuda::")
+        echo "=== compute-sanitizer --tool $tool $name ${args[*]}"
+        ATTNKIT_CASES=${ATTNKIT_CASES:-8} compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" "${args[@]}" || rc=1
       done
     done
     exit $rc ;;
