@@ -88,7 +88,7 @@ macro_rules! conformance {
             }
 
             proptest! {
-                #![proptest_config(ProptestConfig { cases: cases(), ..ProptestConfig::default() })]
+                #![proptest_config(ProptestConfig { cases: cases(), failure_persistence: Some(Box::new(proptest::test_runner::FileFailurePersistence::Direct("proptest-regressions/conformance.txt"))), ..ProptestConfig::default() })]
                 #[test]
                 fn matches_reference(case in arb_case(be().map(|b| head_dims_of(&*b)).unwrap_or(vec![8]), 40)) {
                     let Some(be) = be() else { return Ok(()) };

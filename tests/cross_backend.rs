@@ -35,7 +35,7 @@ fn arb() -> impl Strategy<Value = Case> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 32, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 32, failure_persistence: Some(Box::new(proptest::test_runner::FileFailurePersistence::Direct("proptest-regressions/cross_backend.txt"))), ..ProptestConfig::default() })]
     #[test]
     fn backends_agree_with_each_other(case in arb()) {
         let all = present();
