@@ -6,10 +6,14 @@
 // with cp.async, double-buffered; S = Q K^T and O += P V run on mma.sync m16n8k16 with operands
 // from ldmatrix; the online softmax stays in registers (P never leaves them); tiles no row can
 // see are never loaded. Shared tiles are XOR-swizzled in 16-byte chunks so ldmatrix and the
-// async copies are free of bank conflicts.
+// async copies are free of bank conflicts. With num_splits > 1 (decode with GQA: a 16-row,
+// one-warp tile) each CTA takes a share of the key tiles and writes f32 partials and their lse
+// for attn_combine.
 //
 // Macros: ATTN_DTYPE (1 f16, 2 bf16), DPAD (32, 64, 128, 192 or 256; d <= DPAD, the rest of the
-// row is zero-filled), BM, BN, NW (kernel traits chosen on the host, see kernel.rs).
+// row is zero-filled), BM, BN, NW (kernel traits chosen on the host, see kernel.rs), POST (1 when
+// the call has a softcap or ALiBi slopes: a separate variant, so the common path carries no
+// branch or register for them).
 
 #define NT (NW * 32)
 #define MT (BM / (16 * NW))
@@ -17,6 +21,13 @@
 #define NTN (BN / 8)
 #define NTD (DPAD / 8)
 #define KSTEPS (DPAD / 16)
+
+#ifndef POST
+#define POST 0
+#endif
+#ifndef MINB
+#define MINB 1
+#endif
 
 #if ATTN_DTYPE == 1
 #define MMA_AB "f16.f16"
@@ -58,7 +69,14 @@ __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-extern "C" __global__ void __launch_bounds__(NT, 1) attn_mma(const AttnParams p) {
+// 2^x on the special-function unit (inputs are <= 0 or -inf; flushing denormal results is fine).
+__device__ __forceinline__ float ex2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+
+extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams p) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ int s_lo, s_hi;
     const u32 sQ = smem_u32(smem_raw);
@@ -67,8 +85,10 @@ extern "C" __global__ void __launch_bounds__(NT, 1) attn_mma(const AttnParams p)
     const u32 stage_bytes = BN * DPAD * 2;
 
     const int kvh = blockIdx.y, b = blockIdx.z;
-    // Longest (causal) row blocks first: they finish last otherwise.
-    const int mblk = gridDim.x - 1 - blockIdx.x;
+    // blockIdx.x = row block * num_splits + split. Longest (causal) row blocks first: they
+    // finish last otherwise.
+    const int nsp = p.num_splits;
+    const int mblk = gridDim.x / nsp - 1 - blockIdx.x / nsp, split = blockIdx.x % nsp;
     const SeqInfo s = seq_info(p, b);
     const int R = s.q_len * p.group;
     const int m0 = mblk * BM;
@@ -96,9 +116,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) attn_mma(const AttnParams p)
         s_hi = 0;
     }
     __syncthreads();
-    // Only the visible interval of each row stays in registers; ALiBi/softcap inputs are
-    // recomputed per tile when used (cheaper than holding them through the loop at d 128).
-    int rlo[MT][2], rhi[MT][2];
+    // Only the two bounds of all this thread's rows stay in registers through the loop; the
+    // tiles that cut a row's interval (diagonal, window edges, the end of the keys) recompute the
+    // row's interval, since they are few.
     int t_lo_max = 0, t_hi_min = ATTN_INT_MAX;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
@@ -107,8 +127,6 @@ extern "C" __global__ void __launch_bounds__(NT, 1) attn_mma(const AttnParams p)
             const int m = m0 + warp * MT * 16 + mt * 16 + hf * 8 + (lane >> 2);
             int lo = 0, hi = 0;
             if (m < R) key_range(p, s, m / p.group, lo, hi);
-            rlo[mt][hf] = lo;
-            rhi[mt][hf] = hi;
             t_lo_max = max(t_lo_max, lo);
             t_hi_min = min(t_hi_min, hi);
             if (hi > lo) {
@@ -119,7 +137,9 @@ extern "C" __global__ void __launch_bounds__(NT, 1) attn_mma(const AttnParams p)
     }
     __syncthreads();
     const int klo = s_lo, khi = s_hi;
-    const bool post = p.softcap > 0.f || p.alibi != 0;
+    // Scores stay raw (q.k) in the common path and the scale folds into the exponent's FFMA;
+    // with softcap or ALiBi they are transformed first, in log2 units.
+    const float sl = POST ? 1.f : p.scale_log2;
 
     float O[MT][NTD][4];
     float rm[MT][2], rl[MT][2];
@@ -131,8 +151,43 @@ extern "C" __global__ void __launch_bounds__(NT, 1) attn_mma(const AttnParams p)
         rl[mt][0] = rl[mt][1] = 0.f;
     }
 
+    // With split-KV (decode with GQA, long keys) this CTA takes one share of the key tiles and
+    // writes a partial result and its lse; attn_combine merges the shares.
+    int nb0 = 0, nb1 = 0;
     if (klo < khi) {
-        const int nb0 = klo / BN, nb1 = (khi + BN - 1) / BN;
+        nb0 = klo / BN;
+        nb1 = (khi + BN - 1) / BN;
+        if (nsp > 1) {
+            const int per = (nb1 - nb0 + nsp - 1) / nsp;
+            nb0 += split * per;
+            nb1 = min(nb1, nb0 + per);
+        }
+    }
+    if (nb0 < nb1) {
+        // Each thread copies fixed 16-byte columns of the K and V rows it owns, so the per-tile
+        // work is one row index and one (dense) multiply; paged rows look up their block.
+#if (NT % NCH) == 0
+        constexpr int RS = NT / NCH;
+        constexpr int ITERS = (BN + RS - 1) / RS;
+        const int lc = tid % NCH, lr0 = tid / NCH;
+        const bool lc_ok = lc < dch;
+        const i64 col_off = (i64)kvh * d + lc * 8;
+        auto load_kv = [&](int nb, int st) {
+            const int n0 = nb * BN;
+            const u32 dk = sK + st * stage_bytes, dv = sV + st * stage_bytes;
+#pragma unroll
+            for (int it = 0; it < ITERS; ++it) {
+                const int row = lr0 + it * RS;
+                if (ITERS * RS > BN && row >= BN) break;
+                const int t = n0 + row;
+                const bool ok = lc_ok && t < s.k_len;
+                i64 off = 0;
+                if (ok) off = kv_row(p, b, s, t) * p.kv_stride + col_off;
+                cp_async16(tile_addr(dk, row, lc), kg + off, ok);
+                cp_async16(tile_addr(dv, row, lc), vg + off, ok);
+            }
+        };
+#else
         auto load_kv = [&](int nb, int st) {
             const int n0 = nb * BN;
             for (int idx = tid; idx < BN * NCH; idx += NT) {
@@ -145,6 +200,7 @@ extern "C" __global__ void __launch_bounds__(NT, 1) attn_mma(const AttnParams p)
                 cp_async16(tile_addr(sV + st * stage_bytes, row, c), vg + off, ok);
             }
         };
+#endif
         load_kv(nb0, 0);
         cp_async_commit();
         for (int nb = nb0; nb < nb1; ++nb) {
@@ -186,57 +242,76 @@ extern "C" __global__ void __launch_bounds__(NT, 1) attn_mma(const AttnParams p)
 
             const int n0 = nb * BN;
             const bool need = n0 < t_lo_max || n0 + BN > t_hi_min;
+            float alpha[MT][2];
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
                 for (int hf = 0; hf < 2; ++hf) {
-                    float mx = -ATTN_INF;
-                    int ia = 0;
-                    float slope = 0.f;
-                    if (post) {
-                        const int m = m0 + warp * MT * 16 + mt * 16 + hf * 8 + (lane >> 2);
-                        ia = m / p.group + s.k_len - s.q_len;
-                        slope = p.alibi && m < R ? p.alibi[kvh * p.group + m % p.group] : 0.f;
-                    }
+                    const int m = m0 + warp * MT * 16 + mt * 16 + hf * 8 + (lane >> 2);
+#if POST
+                    {
+                        const int ia = m / p.group + s.k_len - s.q_len;
+                        const float slope = p.alibi && m < R ? p.alibi[kvh * p.group + m % p.group] : 0.f;
 #pragma unroll
-                    for (int nt = 0; nt < NTN; ++nt) {
+                        for (int nt = 0; nt < NTN; ++nt)
 #pragma unroll
-                        for (int e = 0; e < 2; ++e) {
-                            const int j = n0 + nt * 8 + 2 * (lane & 3) + e;
-                            float x = S[mt][nt][hf * 2 + e];
-                            if (post) {
+                            for (int e = 0; e < 2; ++e) {
+                                const int j = n0 + nt * 8 + 2 * (lane & 3) + e;
+                                float& x = S[mt][nt][hf * 2 + e];
                                 x = score_post(p, x * p.scale, slope, ia, j) * ATTN_LOG2E;
-                            } else {
-                                x *= p.scale_log2;
                             }
-                            if (need && !(j >= rlo[mt][hf] && j < rhi[mt][hf])) x = -ATTN_INF;
-                            S[mt][nt][hf * 2 + e] = x;
-                            mx = fmaxf(mx, x);
-                        }
                     }
+#endif
+                    if (need) {
+                        int lo = 0, hi = 0;
+                        if (m < R) key_range(p, s, m / p.group, lo, hi);
+#pragma unroll
+                        for (int nt = 0; nt < NTN; ++nt)
+#pragma unroll
+                            for (int e = 0; e < 2; ++e) {
+                                const int j = n0 + nt * 8 + 2 * (lane & 3) + e;
+                                if (j < lo || j >= hi) S[mt][nt][hf * 2 + e] = -ATTN_INF;
+                            }
+                    }
+                    float mx = -ATTN_INF;
+#pragma unroll
+                    for (int nt = 0; nt < NTN; ++nt) mx = fmaxf(mx, fmaxf(S[mt][nt][hf * 2], S[mt][nt][hf * 2 + 1]));
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
                     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
                     const float m_new = fmaxf(rm[mt][hf], mx);
-                    const float m_use = m_new == -ATTN_INF ? 0.f : m_new;
-                    const float alpha = exp2f(rm[mt][hf] - m_use);
+                    // A row with nothing visible yet keeps max -inf; its p and alpha must be 0
+                    // and 1 without forming inf - inf.
+                    const float m_sc = m_new == -ATTN_INF ? 0.f : m_new * sl;
+                    alpha[mt][hf] = ex2(rm[mt][hf] * sl - m_sc);
                     rm[mt][hf] = m_new;
                     float ls = 0.f;
 #pragma unroll
                     for (int nt = 0; nt < NTN; ++nt) {
 #pragma unroll
                         for (int e = 0; e < 2; ++e) {
-                            const float pv = exp2f(S[mt][nt][hf * 2 + e] - m_use);
+                            const float pv = ex2(fmaf(S[mt][nt][hf * 2 + e], sl, -m_sc));
                             S[mt][nt][hf * 2 + e] = pv;
                             ls += pv;
                         }
                     }
-                    rl[mt][hf] = rl[mt][hf] * alpha + ls;
+                    rl[mt][hf] = rl[mt][hf] * alpha[mt][hf] + ls;
+                }
+            }
+            // Once the running maxima settle, most tiles leave every row's max unchanged:
+            // the warp then skips rescaling O (alpha is exactly 1 for all its rows).
+            bool rescale = false;
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) rescale |= alpha[mt][0] != 1.f || alpha[mt][1] != 1.f;
+            if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
                     for (int nt = 0; nt < NTD; ++nt) {
-                        O[mt][nt][hf * 2] *= alpha;
-                        O[mt][nt][hf * 2 + 1] *= alpha;
+                        O[mt][nt][0] *= alpha[mt][0];
+                        O[mt][nt][1] *= alpha[mt][0];
+                        O[mt][nt][2] *= alpha[mt][1];
+                        O[mt][nt][3] *= alpha[mt][1];
                     }
-                }
             }
 
 #pragma unroll
@@ -279,14 +354,27 @@ extern "C" __global__ void __launch_bounds__(NT, 1) attn_mma(const AttnParams p)
             if (m < R) {
                 const int i = m / p.group, h = kvh * p.group + m % p.group;
                 const float inv = l > 0.f ? 1.f / l : 0.f;
-                elem_t* og = (elem_t*)p.o + (i64)(s.q_start + i) * p.q_stride + (i64)h * d;
+                const float lse2 = l > 0.f ? rm[mt][hf] * sl + log2f(l) : -ATTN_INF;
+                if (nsp == 1) {
+                    elem_t* og = (elem_t*)p.o + (i64)(s.q_start + i) * p.q_stride + (i64)h * d;
 #pragma unroll
-                for (int nt = 0; nt < NTD; ++nt) {
-                    const int col = nt * 8 + 2 * (lane & 3);
-                    if (col < d) *(u32*)(og + col) = pack2(O[mt][nt][hf * 2] * inv, O[mt][nt][hf * 2 + 1] * inv);
+                    for (int nt = 0; nt < NTD; ++nt) {
+                        const int col = nt * 8 + 2 * (lane & 3);
+                        if (col < d) *(u32*)(og + col) = pack2(O[mt][nt][hf * 2] * inv, O[mt][nt][hf * 2 + 1] * inv);
+                    }
+                    if (p.lse && (lane & 3) == 0) p.lse[lse_index(p, b, s, h, i)] = lse2 * ATTN_LN2;
+                } else {
+                    // Partials in f32, [split][total_q][hq][d], lse in natural units; an empty
+                    // share writes zeros and -inf (the workspace is never cleared).
+                    const i64 row = ((i64)split * p.total_q + s.q_start + i) * p.hq + h;
+                    float* op = p.o_part + row * d;
+#pragma unroll
+                    for (int nt = 0; nt < NTD; ++nt) {
+                        const int col = nt * 8 + 2 * (lane & 3);
+                        if (col < d) *(float2*)(op + col) = make_float2(O[mt][nt][hf * 2] * inv, O[mt][nt][hf * 2 + 1] * inv);
+                    }
+                    if ((lane & 3) == 0) p.lse_part[row] = lse2 * ATTN_LN2;
                 }
-                if (p.lse && (lane & 3) == 0)
-                    p.lse[lse_index(p, b, s, h, i)] = l > 0.f ? (rm[mt][hf] + log2f(l)) * ATTN_LN2 : -ATTN_INF;
             }
         }
     }

@@ -32,7 +32,7 @@ struct AttnParams {
     int batch, hq, hkv, d;
     int group, layout, dense_sq, dense_sk;
     int block_size, max_blocks, total_q, causal;
-    int window_left, window_right, num_splits, pad0;
+    int window_left, window_right, num_splits, bs_shift;  // bs_shift: log2(block_size), or -1
     float scale, softcap, scale_log2, pad1;
 };
 
@@ -109,7 +109,11 @@ __device__ __forceinline__ SeqInfo seq_info(const AttnParams& p, int b) {
 // Row of key token `t` (< k_len) of sequence `b` in k/v seen as [rows, hkv, d].
 __device__ __forceinline__ i64 kv_row(const AttnParams& p, int b, const SeqInfo& s, int t) {
     if (p.layout == 2) {
-        int blk = p.block_table[(i64)b * p.max_blocks + t / p.block_size];
+        if (p.bs_shift >= 0) {
+            const int blk = p.block_table[(i64)b * p.max_blocks + (t >> p.bs_shift)];
+            return ((i64)blk << p.bs_shift) + (t & (p.block_size - 1));
+        }
+        const int blk = p.block_table[(i64)b * p.max_blocks + t / p.block_size];
         return (i64)blk * p.block_size + t % p.block_size;
     }
     return (i64)s.k_start + t;

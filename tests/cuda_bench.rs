@@ -5,7 +5,8 @@
 //! Prefill: batch * seqlen = 16k tokens, hidden 2048, heads = 2048 / hdim (FlashAttention's
 //! benchmark shapes; FLOPs = 4 b h s^2 d, halved when causal). Decode: q_len 1, 32 query heads,
 //! hdim 128, bf16, paged blocks of 16; figure = bytes of K and V read / time.
-//! ATTNKIT_BENCH_SWEEP=1 also times other tile shapes of the tensor-core kernel.
+//! ATTNKIT_BENCH_SWEEP=1 also times other split counts and decode tiles, and other tile shapes of
+//! the tensor-core kernel (ATTNKIT_BENCH_TILES=0 leaves those out).
 //! Writes JSON lines to $OUT/cuda_bench.jsonl when OUT is set.
 #![cfg(feature = "cuda")]
 
@@ -168,21 +169,39 @@ fn bench_standard_shapes() {
         decode(&be, b, 32, 32, sk);
     }
     decode(&be, 64, 32, 8, 4096);
+    decode(&be, 16, 32, 8, 4096);
+    decode(&be, 1, 32, 8, 65536);
     if sweep {
-        for mult in ["2", "4", "16"] {
+        for (key, val) in [("ATTNKIT_CUDA_GQA", "off"), ("ATTNKIT_CUDA_GQA_BN", "16"), ("ATTNKIT_CUDA_GQA_BN", "64")] {
+            std::env::set_var(key, val);
+            println!("{key}={val}");
+            decode(&be, 64, 32, 8, 4096);
+            decode(&be, 16, 32, 8, 4096);
+            decode(&be, 1, 32, 8, 65536);
+            std::env::remove_var(key);
+        }
+        for mult in ["2", "4", "8", "16"] {
             std::env::set_var("ATTNKIT_CUDA_SPLIT_TARGET", mult);
             println!("split target {mult} x SMs");
             decode(&be, 1, 32, 32, 65536);
             decode(&be, 16, 32, 32, 4096);
             decode(&be, 64, 32, 8, 4096);
+            decode(&be, 16, 32, 8, 4096);
+            decode(&be, 1, 32, 8, 65536);
         }
         std::env::remove_var("ATTNKIT_CUDA_SPLIT_TARGET");
+        // BM,BN,NW,MINB: rows per CTA, keys per tile, warps, CTAs per SM the registers must fit.
+        // ATTNKIT_BENCH_TILES=0 leaves this part out.
+        let tiles_on = std::env::var("ATTNKIT_BENCH_TILES").map(|v| v != "0").unwrap_or(true);
         for (d, tiles) in [
-            (128, &["128,64,4", "64,32,4", "128,64,8", "128,32,4"][..]),
-            (256, &["64,64,4", "64,32,4", "128,32,8"][..]),
-            (64, &["64,32,4", "128,64,8"][..]),
+            (
+                128,
+                &["128,64,4,1", "128,32,4,1", "128,64,8,1", "128,64,8,2", "64,64,4,2", "192,64,12,1", "128,128,8,1"][..],
+            ),
+            (64, &["128,64,4,1", "64,64,4,2", "128,64,8,2", "128,128,8,1"][..]),
+            (256, &["128,64,8,1", "64,64,4,1", "128,32,8,1", "64,32,4,2"][..]),
         ] {
-            for t in tiles {
+            for t in tiles.iter().filter(|_| tiles_on) {
                 for causal in [false, true] {
                     prefill(&be, DType::BF16, d, 8192, causal, Some(t), false);
                 }

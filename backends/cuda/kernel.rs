@@ -39,7 +39,7 @@ pub(crate) struct KernelParams {
     pub window_left: i32,
     pub window_right: i32,
     pub num_splits: i32,
-    pub pad0: i32,
+    pub bs_shift: i32,
     pub scale: f32,
     pub softcap: f32,
     pub scale_log2: f32,
@@ -88,6 +88,12 @@ pub struct MmaTraits {
     pub bn: usize,
     /// Warps per CTA.
     pub nw: usize,
+    /// CTAs per SM the compiler must fit (`__launch_bounds__`' second argument: it caps the
+    /// registers at 64K / (threads * minb)).
+    pub minb: usize,
+    /// Whether the call needs the score transform (softcap, ALiBi, or a scale that is not
+    /// positive): a separate variant, so the common path carries none of it.
+    pub post: bool,
 }
 
 impl MmaTraits {
@@ -108,28 +114,28 @@ pub fn mma_dpad(d: usize) -> usize {
     }
 }
 
-/// Kernel traits per padded head dim. ATTNKIT_CUDA_TILE=BM,BN,NW overrides them (for tuning).
-/// These are FlashAttention-2's for sm80+: 128x64 with 4 warps up to d 128 (32 rows per warp,
-/// so each K fragment feeds two MMAs), 128x64 with 8 warps above (252 registers at d 256, no
-/// spills). They are the traits the conformance suite passed with on an H200. They are not the
-/// fastest there: NVRTC for sm_90 reports 229 / 255 registers at d 64 / 128 (~110 bytes of
-/// spills at d 128), and the same run timed d 64 at 84.8 TFLOP/s with them against 110.9 with
-/// 64x64 and 4 warps (180 registers at d 128, no spills); that shape becomes the default once
-/// the suite has run with it on the device. docs/PERF_NOTES.md has the sweep.
-pub fn mma_traits(d: usize) -> MmaTraits {
+/// Kernel traits per padded head dim, for a call with (`post`) or without the score transform.
+/// ATTNKIT_CUDA_TILE=BM,BN,NW[,MINB] overrides them (for tuning).
+///
+/// The defaults and the measurements that chose them are in docs/PERF_NOTES.md (cuda, v2).
+pub fn mma_traits(d: usize, post: bool) -> MmaTraits {
     let dpad = mma_dpad(d);
     if let Ok(s) = std::env::var("ATTNKIT_CUDA_TILE") {
         let v: Vec<usize> = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
-        if let [bm, bn, nw] = v[..] {
-            if bm % (16 * nw) == 0 && bn % 16 == 0 && bm > 0 && bn > 0 && nw > 0 {
-                return MmaTraits { dpad, bm, bn, nw };
-            }
+        let (bm, bn, nw, minb) = match v[..] {
+            [bm, bn, nw] => (bm, bn, nw, 1),
+            [bm, bn, nw, minb] => (bm, bn, nw, minb),
+            _ => (0, 0, 0, 0),
+        };
+        if bm > 0 && nw > 0 && bm % (16 * nw) == 0 && bn > 0 && bn % 16 == 0 && (1..=4).contains(&minb) {
+            return MmaTraits { dpad, bm, bn, nw, minb, post };
         }
     }
-    match dpad {
-        32 | 64 | 128 => MmaTraits { dpad, bm: 128, bn: 64, nw: 4 },
-        _ => MmaTraits { dpad, bm: 128, bn: 64, nw: 8 },
-    }
+    let (bm, bn, nw, minb) = match dpad {
+        32 | 64 | 128 => (128, 64, 4, 1),
+        _ => (128, 64, 8, 1),
+    };
+    MmaTraits { dpad, bm, bn, nw, minb, post }
 }
 
 /// Which kernel runs a call, and how.
@@ -150,7 +156,12 @@ pub enum Plan {
         splits: usize,
     },
     /// Tensor-core kernel.
-    Mma(MmaTraits),
+    Mma {
+        /// Tile shape.
+        t: MmaTraits,
+        /// Key splits per row block (split-KV with the combine kernel when above 1).
+        splits: usize,
+    },
 }
 
 /// Rows (queries times GQA group) the decode kernel takes per kv head.
@@ -168,7 +179,7 @@ impl Plan {
                 family: Family::Decode,
                 defines: vec![("ATTN_DTYPE", dt), ("LPK", lpk as i64), ("RMAX", rmax as i64)],
             },
-            Plan::Mma(t) => Variant {
+            Plan::Mma { t, .. } => Variant {
                 family: Family::Mma,
                 defines: vec![
                     ("ATTN_DTYPE", dt),
@@ -176,6 +187,8 @@ impl Plan {
                     ("BM", t.bm as i64),
                     ("BN", t.bn as i64),
                     ("NW", t.nw as i64),
+                    ("MINB", t.minb as i64),
+                    ("POST", t.post as i64),
                 ],
             },
         }
@@ -183,7 +196,9 @@ impl Plan {
     /// f32 elements of split-KV workspace this plan needs.
     pub fn workspace_elems(&self, c: &Checked<'_>) -> usize {
         match *self {
-            Plan::Decode { splits, .. } if splits > 1 => splits * c.total_q * c.hq * (c.d + 1),
+            Plan::Decode { splits, .. } | Plan::Mma { splits, .. } if splits > 1 => {
+                splits * c.total_q * c.hq * (c.d + 1)
+            }
             _ => 0,
         }
     }
@@ -198,37 +213,75 @@ fn simt_dmax(d: usize) -> usize {
     }
 }
 
-/// Choose the kernel: decode when every kv head has at most [`DECODE_MAX_ROWS`] query rows,
-/// else the tensor cores for f16/bf16, else CUDA cores. `force` (ATTNKIT_CUDA_KERNEL) picks
-/// `simt`, `mma` or `decode` where that kernel can run the call.
-pub fn plan(c: &Checked<'_>, sms: usize, force: Option<&str>) -> Plan {
+/// Tile of the tensor-core kernel for decode with GQA: one warp, 16 rows (the queries times
+/// the heads of a group), K/V streamed through shared memory and read once for the group.
+/// 32 keys per tile (37 KiB of shared memory at d 128, so six CTAs per SM): on an H200 it read
+/// 3.36 TB/s where 64 keys read 1.77 and 128 keys 0.52 (docs/PERF_NOTES.md, cuda v2).
+/// ATTNKIT_CUDA_GQA_BN overrides the key count (for tuning).
+pub fn gqa_decode_traits(d: usize, post: bool) -> MmaTraits {
+    let bn = std::env::var("ATTNKIT_CUDA_GQA_BN").ok().and_then(|s| s.parse().ok()).filter(|b| b % 16 == 0 && *b > 0);
+    MmaTraits { dpad: mma_dpad(d), bm: 16, bn: bn.unwrap_or(32), nw: 1, minb: 1, post }
+}
+
+/// Query heads per kv head from which decode runs on the tensor cores (`gqa_decode_traits`)
+/// rather than the CUDA-core decode kernel, for f16 and bf16.
+pub const GQA_MMA_MIN_GROUP: usize = 4;
+
+/// Split count: about `mult` CTAs per SM (ATTNKIT_CUDA_SPLIT_TARGET overrides `mult`), each
+/// split keeping at least 256 keys, at most 64 splits.
+fn split_count(ctas: usize, max_k: usize, sms: usize, mult: usize) -> usize {
+    let mult = std::env::var("ATTNKIT_CUDA_SPLIT_TARGET").ok().and_then(|s| s.parse().ok()).unwrap_or(mult);
+    let target = mult.max(1) * sms.max(1);
+    let by_len = (max_k / 256).max(1);
+    if ctas >= target {
+        1
+    } else {
+        target.div_ceil(ctas.max(1)).min(by_len).clamp(1, 64)
+    }
+}
+
+/// Choose the kernel: decode when every kv head has at most [`DECODE_MAX_ROWS`] query rows
+/// (on the tensor cores for f16/bf16 with a GQA group of at least [`GQA_MMA_MIN_GROUP`]), else
+/// the tensor cores for f16/bf16, else CUDA cores. `force` picks `simt`, `mma` or `decode` where
+/// that kernel can run the call; `splits` forces the split count of the split-KV kernels.
+pub fn plan(c: &Checked<'_>, sms: usize, force: Option<&str>, splits: Option<usize>) -> Plan {
     let rows = c.max_q * c.group();
     let decode_ok = rows <= DECODE_MAX_ROWS;
     let mma_ok = matches!(c.dtype, DType::F16 | DType::BF16);
+    let post = c.call.params.softcap.is_some() || c.call.alibi_slopes.is_some() || c.scale <= 0.0; // scale is finite (validated)
     let simt = Plan::Simt { dmax: simt_dmax(c.d) };
     let decode = || {
         let rmax = rows.max(1).next_power_of_two();
         let lpk = (c.d / 8).max(1).next_power_of_two();
-        let ctas = (c.batch * c.hkv).max(1);
-        // About three CTAs per SM, each split keeping at least 256 keys (the planner the suite
-        // passed with on an H200). More CTAs should help batch-1 decode (13 splits reached 2.9 of
-        // FA2's 3.8 TB/s there); ATTNKIT_CUDA_SPLIT_TARGET scales the target for that sweep.
-        let mult = std::env::var("ATTNKIT_CUDA_SPLIT_TARGET").ok().and_then(|s| s.parse().ok()).unwrap_or(3usize);
-        let target = mult.max(1) * sms.max(1);
-        let by_len = (c.max_k / 256).max(1);
-        let splits = if ctas >= target { 1 } else { target.div_ceil(ctas).min(by_len).clamp(1, 64) };
+        // About three CTAs per SM (the planner the suite passed with on an H200).
+        let splits = splits.unwrap_or_else(|| split_count(c.batch * c.hkv, c.max_k, sms, 3));
         Plan::Decode { lpk, rmax, splits }
+    };
+    let mma = || {
+        if decode_ok {
+            // One-warp CTAs, three per SM by shared memory: aim at about eight per SM so that
+            // the last wave is short.
+            let t = gqa_decode_traits(c.d, post);
+            let ctas = c.batch * c.hkv * rows.div_ceil(t.bm);
+            let splits = splits.unwrap_or_else(|| split_count(ctas, c.max_k, sms, 8));
+            Plan::Mma { t, splits }
+        } else {
+            Plan::Mma { t: mma_traits(c.d, post), splits: splits.unwrap_or(1) }
+        }
     };
     match force {
         Some("simt") => return simt,
-        Some("mma") if mma_ok => return Plan::Mma(mma_traits(c.d)),
+        Some("mma") if mma_ok => return mma(),
         Some("decode") if decode_ok => return decode(),
         _ => {}
     }
-    if decode_ok {
+    let gqa_mma = std::env::var("ATTNKIT_CUDA_GQA").map(|v| v != "off").unwrap_or(true);
+    if decode_ok && mma_ok && gqa_mma && c.group() >= GQA_MMA_MIN_GROUP {
+        mma()
+    } else if decode_ok {
         decode()
     } else if mma_ok {
-        Plan::Mma(mma_traits(c.d))
+        mma()
     } else {
         simt
     }
@@ -249,7 +302,10 @@ pub fn all_variants() -> Vec<Variant> {
         }
         if dt != DType::F32 {
             for dpad in [32, 64, 128, 192, 256] {
-                v.push(Plan::Mma(mma_traits(dpad)).variant(dt));
+                for post in [false, true] {
+                    v.push(Plan::Mma { t: mma_traits(dpad, post), splits: 1 }.variant(dt));
+                    v.push(Plan::Mma { t: gqa_decode_traits(dpad, post), splits: 1 }.variant(dt));
+                }
             }
         }
     }

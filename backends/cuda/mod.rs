@@ -3,7 +3,9 @@
 //!
 //! - f16/bf16 prefill: a FlashAttention-2-style tensor-core kernel (`kernels/attn_mma.cu`).
 //! - decode (at most 8 query rows per kv head): split-KV flash-decoding with an lse combine
-//!   (`kernels/attn_decode.cu`); one CTA reads a K/V row once for every query head of its group.
+//!   (`kernels/attn_decode.cu`, `kernels/attn_combine.cuh`); one CTA reads a K/V row once for
+//!   every query head of its group. With a GQA group of 4 or more (f16/bf16) decode runs on the
+//!   tensor cores instead: the same kernel as prefill with a one-warp, 16-row tile, split-KV.
 //! - f32 prefill: a CUDA-core kernel (`kernels/attn_simt.cu`).
 //!
 //! Layout metadata arrives as host slices; it is mirrored into one reusable device buffer
@@ -139,6 +141,7 @@ pub struct CudaBackend {
     kernels: Mutex<HashMap<Variant, Arc<Loaded>>>,
     state: Mutex<State>,
     force: Option<String>,
+    splits: Option<usize>,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -205,7 +208,20 @@ impl CudaBackend {
                 workspace: None,
             }),
             force,
+            splits: None,
         })
+    }
+
+    /// Force a kernel where it can run the call: `simt`, `mma` or `decode` (testing and
+    /// tuning; `None` restores the planner). `ATTNKIT_CUDA_KERNEL` sets it at construction.
+    pub fn set_kernel(&mut self, kernel: Option<&str>) {
+        self.force = kernel.map(str::to_string);
+    }
+
+    /// Force the split count of the split-KV kernels (`None`: planned from the problem and the
+    /// SM count).
+    pub fn set_kv_splits(&mut self, splits: Option<usize>) {
+        self.splits = splits.map(|s| s.clamp(1, 64));
     }
 
     /// The stream every call of this backend runs on (capture it to build a CUDA graph).
@@ -227,7 +243,7 @@ impl CudaBackend {
 
     /// The kernel plan of a validated call.
     pub fn plan(&self, c: &Checked<'_>) -> Plan {
-        kernel::plan(c, self.sms, self.force.as_deref())
+        kernel::plan(c, self.sms, self.force.as_deref(), self.splits)
     }
 
     /// Bytes of split-KV workspace a call needs (0 for most prefill calls). The backend keeps
@@ -285,7 +301,7 @@ impl CudaBackend {
         let names: &[&'static str] = match v.family {
             Family::Simt => &["attn_simt"],
             Family::Decode => &["attn_decode", "attn_combine"],
-            Family::Mma => &["attn_mma"],
+            Family::Mma => &["attn_mma", "attn_combine"],
         };
         let mut funcs = HashMap::new();
         for &n in names {
@@ -300,7 +316,7 @@ impl CudaBackend {
             }
             Family::Mma => {
                 let g = |k: &str| v.defines.iter().find(|d| d.0 == k).map(|d| d.1 as usize).unwrap_or(0);
-                MmaTraits { dpad: g("DPAD"), bm: g("BM"), bn: g("BN"), nw: g("NW") }.smem_bytes()
+                MmaTraits { dpad: g("DPAD"), bm: g("BM"), bn: g("BN"), nw: g("NW"), minb: 1, post: false }.smem_bytes()
             }
             Family::Decode => 0,
         };
@@ -556,9 +572,11 @@ impl AttentionBackend for CudaBackend {
             Layout::Paged { max_blocks, .. } => (max_blocks, 2),
         };
         let splits = match plan {
-            Plan::Decode { splits, .. } => splits,
+            Plan::Decode { splits, .. } | Plan::Mma { splits, .. } => splits,
             _ => 1,
         };
+        // Power-of-two blocks are addressed with shifts.
+        let bs_shift = if c.block_size.is_power_of_two() { c.block_size.trailing_zeros() as i32 } else { -1 };
         let kp = KernelParams {
             q: q.ptr(&self.stream),
             k: k.ptr(&self.stream),
@@ -589,7 +607,7 @@ impl AttentionBackend for CudaBackend {
             window_left: clamp(p.window_left),
             window_right: clamp(p.window_right),
             num_splits: splits as i32,
-            pad0: 0,
+            bs_shift,
             scale: c.scale,
             softcap: p.softcap.unwrap_or(0.0),
             scale_log2: c.scale * std::f32::consts::LOG2_E,
@@ -615,10 +633,14 @@ impl AttentionBackend for CudaBackend {
                     shared_mem_bytes: 0,
                 },
             ),
-            Plan::Mma(t) => (
+            Plan::Mma { t, splits } => (
                 "attn_mma",
                 LaunchConfig {
-                    grid_dim: ((c.max_q * c.group()).div_ceil(t.bm) as u32, c.hkv as u32, c.batch as u32),
+                    grid_dim: (
+                        (c.max_q * c.group()).div_ceil(t.bm) as u32 * splits as u32,
+                        c.hkv as u32,
+                        c.batch as u32,
+                    ),
                     block_dim: ((t.nw * 32) as u32, 1, 1),
                     shared_mem_bytes: t.smem_bytes() as u32,
                 },
@@ -638,7 +660,7 @@ impl AttentionBackend for CudaBackend {
                 LaunchConfig { grid_dim: (rows.div_ceil(4) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
             let mut lb = self.stream.launch_builder(comb);
             lb.arg(&kp);
-            // SAFETY: as above; the combine kernel reads the partials the decode kernel wrote
+            // SAFETY: as above; the combine kernel reads the partials the split kernel wrote
             // earlier on the same stream.
             unsafe { lb.launch(cfg) }.map_err(|e| be_err(format!("launching attn_combine: {e}")))?;
         }

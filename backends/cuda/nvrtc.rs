@@ -10,8 +10,10 @@ use cudarc::nvrtc::{result as nrt, sys as nsys};
 /// Prepended to every kernel source.
 const COMMON: &str = include_str!("../../kernels/common.cuh");
 const SIMT: &str = include_str!("../../kernels/attn_simt.cu");
-const DECODE: &str = include_str!("../../kernels/attn_decode.cu");
-const MMA: &str = include_str!("../../kernels/attn_mma.cu");
+// Both split-KV kernels carry the combine kernel that merges their partials.
+const DECODE: &str =
+    concat!(include_str!("../../kernels/attn_decode.cu"), include_str!("../../kernels/attn_combine.cuh"));
+const MMA: &str = concat!(include_str!("../../kernels/attn_mma.cu"), include_str!("../../kernels/attn_combine.cuh"));
 
 /// The kernel sources, by family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]

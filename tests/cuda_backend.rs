@@ -1,0 +1,107 @@
+//! cuda-specific checks beyond the conformance suite: split-KV forced on random long-key cases,
+//! for the decode kernel and for the tensor-core kernel (which takes GQA decode), against the
+//! f64 reference and against the unsplit result.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use attnkit::cuda::CudaBackend;
+use attnkit::{DType, LayoutKind, Params};
+use common::*;
+
+/// The backend, or `None` when `ATTNKIT_SKIP` names cuda and there is no device.
+fn be() -> Option<CudaBackend> {
+    match CudaBackend::new() {
+        Ok(b) => Some(b),
+        Err(e) => {
+            backend("cuda")?; // fails the test unless ATTNKIT_SKIP names cuda
+            panic!("cuda: {e}");
+        }
+    }
+}
+
+fn cases() -> usize {
+    std::env::var("ATTNKIT_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64)
+}
+
+/// A random case, long in keys and short in queries so that every split has work (or none).
+fn random_case(rng: &mut Rng, seed: u64, dtypes: &[DType]) -> Case {
+    let layout = [LayoutKind::Dense, LayoutKind::Varlen, LayoutKind::Paged][rng.below(3)];
+    let dtype = dtypes[rng.below(dtypes.len())];
+    let b = 1 + rng.below(3);
+    let mut lens: Vec<(usize, usize)> = (0..b).map(|_| (rng.below(3), rng.below(700))).collect();
+    if layout == LayoutKind::Dense {
+        let l0 = (lens[0].0.max(1), lens[0].1.max(1));
+        lens.iter_mut().for_each(|l| *l = l0);
+    }
+    let opt = |rng: &mut Rng, n: usize| if rng.below(3) == 0 { Some(rng.below(n)) } else { None };
+    let params = Params {
+        causal: rng.below(2) == 0,
+        window_left: opt(rng, 300),
+        window_right: opt(rng, 40),
+        softcap: if rng.below(4) == 0 { Some(1.0 + rng.below(30) as f32) } else { None },
+        scale: None,
+    };
+    Case {
+        layout,
+        dtype,
+        lens,
+        hkv: 1 + rng.below(2),
+        group: [1, 2, 4, 8][rng.below(4)],
+        d: [8, 24, 64, 128, 256][rng.below(5)],
+        params,
+        alibi: rng.below(3) == 0,
+        // Powers of two take the shift path, the others the division.
+        block_size: [1 + rng.below(20), 16, 32][rng.below(3)],
+        lse: true,
+        seed,
+    }
+}
+
+const SPLITS: [usize; 4] = [2, 3, 7, 64];
+
+#[test]
+fn split_kv_decode_kernel_matches_reference() {
+    let Some(mut be) = be() else { return };
+    let mut rng = Rng::new(0x5eed);
+    be.set_kernel(Some("decode"));
+    for n in 0..cases() {
+        let seed = rng.next_u64();
+        let case = random_case(&mut rng, seed, &DType::FLOATS);
+        be.set_kv_splits(Some(SPLITS[n % 4]));
+        check_against_reference(&be, &case).unwrap_or_else(|e| panic!("decode, splits {}: {e}", SPLITS[n % 4]));
+    }
+}
+
+#[test]
+fn split_kv_tensor_core_kernel_matches_reference() {
+    let Some(mut be) = be() else { return };
+    let mut rng = Rng::new(0xbeef);
+    be.set_kernel(Some("mma"));
+    for n in 0..cases() {
+        let seed = rng.next_u64();
+        let case = random_case(&mut rng, seed, &[DType::F16, DType::BF16]);
+        be.set_kv_splits(Some(SPLITS[n % 4]));
+        check_against_reference(&be, &case).unwrap_or_else(|e| panic!("mma, splits {}: {e}", SPLITS[n % 4]));
+    }
+}
+
+#[test]
+fn split_and_unsplit_agree() {
+    let Some(mut be) = be() else { return };
+    let mut rng = Rng::new(99);
+    for n in 0..cases().div_ceil(2) {
+        let seed = rng.next_u64();
+        let case = random_case(&mut rng, seed, &[DType::F16, DType::BF16]);
+        let built = case.build();
+        be.set_kernel(Some(["decode", "mma"][n % 2]));
+        be.set_kv_splits(Some(1));
+        let one = run_on(&be, &case, &built).unwrap();
+        be.set_kv_splits(Some(5));
+        let five = run_on(&be, &case, &built).unwrap();
+        let (atol, rtol) = tol(case.dtype);
+        check_close("split 5 vs 1", &five.out, &one.out, atol, rtol).unwrap_or_else(|e| panic!("{e}\n{case:?}"));
+        check_close("lse split 5 vs 1", &five.lse.unwrap(), &one.lse.unwrap(), 1e-4, 1e-5)
+            .unwrap_or_else(|e| panic!("{e}\n{case:?}"));
+    }
+}
