@@ -221,9 +221,14 @@ fn bench_standard_shapes() {
     let call = AttnCall::dense(&q, &q, &q).causal(true);
     be2.forward(&call, None, None).unwrap();
     be2.synchronize().unwrap();
+    let kernels: Vec<String> = be2
+        .loaded_kernels()
+        .iter()
+        .map(|k| format!("{{\"key\":\"{}\",\"cached\":{},\"load_ms\":{:.2}}}", k.key, k.cached, k.load_ms))
+        .collect();
     log(format!(
-        "{{\"kind\":\"warm_start\",\"ms\":{:.1},\"kernels\":{:?}}}",
+        "{{\"kind\":\"warm_start\",\"ms\":{:.1},\"kernels\":[{}]}}",
         t0.elapsed().as_secs_f64() * 1e3,
-        be2.loaded_kernels().iter().map(|k| (k.key.clone(), k.cached, k.load_ms)).collect::<Vec<_>>()
+        kernels.join(",")
     ));
 }
