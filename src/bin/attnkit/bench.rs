@@ -2,7 +2,7 @@
 
 use std::time::Instant;
 
-use attnkit::{AttentionBackend, AttnCall, DType, LayoutKind, Params, Tensor};
+use attnkit::{AttentionBackend, AttnCall, DType, Device, LayoutKind, Params, Tensor};
 
 use crate::gen::{prefix, tensor, Rng};
 
@@ -182,7 +182,7 @@ fn median(v: &mut [f64]) -> f64 {
     }
 }
 
-/// Time one shape on one backend: warm-up, then the median of up to `iters` runs (at least 3,
+/// Time one shape on one backend: warm-up, then the median of up to `iters` samples (at least 3,
 /// fewer than `iters` when they would take longer than `max_seconds`). The device is synchronised
 /// before every clock stop; the output is checked to be finite and not all zero.
 pub fn measure(
@@ -203,24 +203,33 @@ pub fn measure(
     }
     .causal(causal);
     let mut out = be.alloc(q.shape(), dtype).map_err(e)?;
-    let run = |out: &mut Tensor| -> Result<f64, String> {
+    // One sample: `inner` calls back to back, then one synchronisation, divided by `inner`; so a
+    // short GPU call is not charged the host's launch-and-wait round trip (inner is 1 for calls
+    // of a millisecond or more, and on the host).
+    let run = |out: &mut Tensor, inner: usize| -> Result<f64, String> {
         let t = Instant::now();
-        be.forward(&call, Some(out), None).map_err(e)?;
+        for _ in 0..inner {
+            be.forward(&call, Some(out), None).map_err(e)?;
+        }
         be.synchronize().map_err(e)?;
-        Ok(t.elapsed().as_secs_f64())
+        Ok(t.elapsed().as_secs_f64() / inner as f64)
     };
     let mut first = f64::MAX;
     for _ in 0..o.warmup.max(1) {
-        first = first.min(run(&mut out)?);
+        first = first.min(run(&mut out, 1)?);
     }
     let host = be.download(&out).map_err(e)?.to_f64_vec().map_err(e)?;
     if host.iter().any(|x| !x.is_finite()) || host.iter().all(|&x| x == 0.0) {
         return Err(format!("{name}: the output is not finite or all zero; not timing it"));
     }
-    let n = ((o.max_seconds / first.max(1e-9)) as usize).clamp(3, o.iters.max(3));
+    let inner = if be.device() == Device::Host { 1 } else { ((1e-3 / first.max(1e-9)) as usize).clamp(1, 64) };
+    if inner > 1 {
+        run(&mut out, inner)?;
+    }
+    let n = ((o.max_seconds / (first * inner as f64).max(1e-9)) as usize).clamp(3, o.iters.max(3));
     let mut times = Vec::with_capacity(n);
     for _ in 0..n {
-        times.push(run(&mut out)?);
+        times.push(run(&mut out, inner)?);
     }
     let min = times.iter().copied().fold(f64::MAX, f64::min);
     Ok((n, median(&mut times), min))
