@@ -115,7 +115,7 @@ pub fn mma_dpad(d: usize) -> usize {
 }
 
 /// Kernel traits per padded head dim, for a call with (`post`) or without the score transform.
-/// ATTNKIT_CUDA_TILE=BM,BN,NW[,MINB] overrides them (for tuning).
+/// `ATTNKIT_CUDA_TILE=BM,BN,NW[,MINB]` overrides them (for tuning).
 ///
 /// The defaults and the measurements that chose them are in docs/PERF_NOTES.md (cuda, v2).
 pub fn mma_traits(d: usize, post: bool) -> MmaTraits {
