@@ -20,8 +20,7 @@
 //! and merges their partial `(m, l, o)` with the log-sum-exp; the partials live in a buffer the
 //! backend keeps and grows once.
 
-use std::cell::RefCell;
-use std::sync::OnceLock;
+use std::sync::{Mutex, OnceLock};
 
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 use rayon::prelude::*;
@@ -156,6 +155,12 @@ pub(crate) fn isa() -> Isa {
 #[derive(Default)]
 struct Buf(Vec<f32>);
 impl Buf {
+    /// Grow (once) to hold `n` elements however the slice is aligned.
+    fn reserve(&mut self, n: usize) {
+        if self.0.len() < n + MAX_LANES {
+            self.0.resize(n + MAX_LANES, 0.0);
+        }
+    }
     fn get(&mut self, n: usize) -> &mut [f32] {
         if self.0.len() < n + MAX_LANES {
             self.0.resize(n + MAX_LANES, 0.0);
@@ -189,8 +194,54 @@ struct Scratch {
     e: Vec<usize>,
 }
 
-thread_local! {
-    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+impl Scratch {
+    /// Grow every buffer to what the largest task of `plan` needs. Which tasks a thread gets
+    /// varies from call to call (ragged varlen blocks are smaller; a thread may get none), so
+    /// sizing per task would allocate whenever a thread first met a larger one, long after
+    /// warm-up.
+    fn reserve_for(&mut self, c: &Checked<'_>, plan: &Plan) {
+        let rp = (plan.bq * plan.hn).next_multiple_of(MAX_LANES);
+        let ra = plan.nh * rp;
+        let dp = plan.dp;
+        for (b, n) in [
+            (&mut self.qt, c.d * ra),
+            (&mut self.s, BK * rp),
+            (&mut self.kp, BK * dp),
+            (&mut self.vp, BK * dp),
+            (&mut self.o, ra * dp),
+            (&mut self.row, dp),
+            (&mut self.m, ra),
+            (&mut self.l, ra),
+            (&mut self.alpha, ra),
+            (&mut self.slope, ra),
+            (&mut self.af, rp),
+            (&mut self.ef, rp),
+            (&mut self.ia, rp),
+        ] {
+            b.reserve(n);
+        }
+        for x in [&mut self.lo, &mut self.hi, &mut self.a, &mut self.e] {
+            x.reserve(rp.saturating_sub(x.len()));
+        }
+    }
+}
+
+/// One scratch per thread of the pool that runs the tasks (rayon's thread index), and a last one
+/// for a caller outside any pool. `run` sizes them all for its plan before a task starts, so
+/// allocation happens only in the first call of a larger plan, on the thread that runs `run`.
+fn scratches() -> &'static [Mutex<Scratch>] {
+    static SCRATCHES: OnceLock<Vec<Mutex<Scratch>>> = OnceLock::new();
+    SCRATCHES.get_or_init(|| (0..=rayon::current_num_threads()).map(|_| Mutex::new(Scratch::default())).collect())
+}
+
+/// The calling thread's scratch.
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    let all = scratches();
+    let i = rayon::current_thread_index().unwrap_or(all.len() - 1).min(all.len() - 1);
+    // A thread only ever locks its own slot (a foreign pool larger than ours shares the last
+    // one, which serialises it but stays correct).
+    let mut s = all[i].lock().unwrap_or_else(|e| e.into_inner());
+    f(&mut s)
 }
 
 /// How the work is cut: `bq` query positions x `hn` heads per task, `hparts` tasks per group,
@@ -294,13 +345,16 @@ pub(crate) fn run<T: Element>(
     };
     let isa = isa();
     let ns = plan.nsplit;
+    for sc in scratches() {
+        sc.lock().unwrap_or_else(|e| e.into_inner()).reserve_for(c, &plan);
+    }
     (0..c.batch).into_par_iter().for_each(|b| {
         let seq = c.seq(b);
         let groups = plan.groups_of(c, &seq);
         let base = if ns > 1 { plan.groups_before(c, b) } else { 0 };
         (0..groups * ns).into_par_iter().for_each(|t| {
             let task = Task { b, seq, grp: t / ns, split: t % ns, slot: (base + t / ns) * ns + t % ns };
-            SCRATCH.with(|s| dispatch(isa, &ctx, task, &mut s.borrow_mut()));
+            with_scratch(|s| dispatch(isa, &ctx, task, s));
         });
     });
     if ns > 1 {
@@ -308,7 +362,7 @@ pub(crate) fn run<T: Element>(
             let seq = c.seq(b);
             let base = plan.groups_before(c, b);
             (0..plan.groups_of(c, &seq)).into_par_iter().for_each(|grp| {
-                SCRATCH.with(|s| merge(&ctx, b, &seq, grp, base + grp, &mut s.borrow_mut()));
+                with_scratch(|s| merge(&ctx, b, &seq, grp, base + grp, s));
             });
         });
     }

@@ -170,6 +170,8 @@ pub(crate) struct State {
     dummy_lse: ::wgpu::Buffer,
     bind_groups: HashMap<(PipeKey, [Option<::wgpu::Buffer>; 5]), ::wgpu::BindGroup>,
     words: Vec<u32>,
+    /// wgpu's loop bounding on (`ATTNKIT_WGPU_LOOP_BOUNDING=1`, for A/B timing).
+    loop_bounding: bool,
 }
 
 const BIND_GROUP_CACHE: usize = 64;
@@ -191,10 +193,12 @@ impl State {
             dummy_lse,
             bind_groups: HashMap::new(),
             words: Vec::new(),
+            loop_bounding: std::env::var("ATTNKIT_WGPU_LOOP_BOUNDING").is_ok_and(|v| v == "1"),
         }
     }
 
     fn pipeline(&mut self, device: &::wgpu::Device, key: PipeKey) -> ::wgpu::ComputePipeline {
+        let loop_bounding = self.loop_bounding;
         self.pipelines
             .entry(key)
             .or_insert_with(|| {
@@ -211,10 +215,26 @@ impl State {
                         (specialize(COMBINE_SRC, &[("D", d), ("DT", dt as usize)]), "attnkit combine")
                     }
                 };
-                let module = device.create_shader_module(::wgpu::ShaderModuleDescriptor {
-                    label: Some(label),
-                    source: ::wgpu::ShaderSource::Wgsl(src.into()),
-                });
+                // Buffer bounds checks stay on; the loop bounding that wgpu would otherwise add to
+                // every loop (a second exit on a hidden counter) is left out, so that the driver's
+                // compiler can unroll the constant-trip loops and keep the per-thread arrays they
+                // index in registers.
+                let mut checks = ::wgpu::ShaderRuntimeChecks::checked();
+                checks.force_loop_bounding = loop_bounding;
+                // SAFETY: `force_loop_bounding = false` requires that no shader can loop forever.
+                // Every loop in shaders/*.wgsl is a counted `for` whose counter only increases, by
+                // a positive step, toward a bound fixed before the loop starts (a constant, or a
+                // value read from the metadata before the loop: a token count, far below i32::MAX
+                // since a storage binding holds at most 4 GiB); none has another back edge.
+                let module = unsafe {
+                    device.create_shader_module_trusted(
+                        ::wgpu::ShaderModuleDescriptor {
+                            label: Some(label),
+                            source: ::wgpu::ShaderSource::Wgsl(src.into()),
+                        },
+                        checks,
+                    )
+                };
                 device.create_compute_pipeline(&::wgpu::ComputePipelineDescriptor {
                     label: Some(label),
                     layout: None,
