@@ -20,10 +20,6 @@ fn be() -> Option<CudaBackend> {
     }
 }
 
-fn cases() -> usize {
-    std::env::var("ATTNKIT_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64)
-}
-
 /// A random case, long in keys and short in queries so that every split has work (or none).
 fn random_case(rng: &mut Rng, seed: u64, dtypes: &[DType]) -> Case {
     let layout = [LayoutKind::Dense, LayoutKind::Varlen, LayoutKind::Paged][rng.below(3)];
@@ -60,37 +56,34 @@ fn random_case(rng: &mut Rng, seed: u64, dtypes: &[DType]) -> Case {
 
 const SPLITS: [usize; 4] = [2, 3, 7, 64];
 
-#[test]
-fn split_kv_decode_kernel_matches_reference() {
+/// `kernel` forced, splits cycling through [`SPLITS`], every random case against the reference.
+fn split_kv_matches_reference(kernel: &str, seed: u64, dtypes: &[DType]) {
     let Some(mut be) = be() else { return };
-    let mut rng = Rng::new(0x5eed);
-    be.set_kernel(Some("decode"));
-    for n in 0..cases() {
+    let mut rng = Rng::new(seed);
+    be.set_kernel(Some(kernel));
+    for n in 0..case_count() {
         let seed = rng.next_u64();
-        let case = random_case(&mut rng, seed, &DType::FLOATS);
+        let case = random_case(&mut rng, seed, dtypes);
         be.set_kv_splits(Some(SPLITS[n % 4]));
-        check_against_reference(&be, &case).unwrap_or_else(|e| panic!("decode, splits {}: {e}", SPLITS[n % 4]));
+        check_against_reference(&be, &case).unwrap_or_else(|e| panic!("{kernel}, splits {}: {e}", SPLITS[n % 4]));
     }
 }
 
 #[test]
+fn split_kv_decode_kernel_matches_reference() {
+    split_kv_matches_reference("decode", 0x5eed, &DType::FLOATS);
+}
+
+#[test]
 fn split_kv_tensor_core_kernel_matches_reference() {
-    let Some(mut be) = be() else { return };
-    let mut rng = Rng::new(0xbeef);
-    be.set_kernel(Some("mma"));
-    for n in 0..cases() {
-        let seed = rng.next_u64();
-        let case = random_case(&mut rng, seed, &[DType::F16, DType::BF16]);
-        be.set_kv_splits(Some(SPLITS[n % 4]));
-        check_against_reference(&be, &case).unwrap_or_else(|e| panic!("mma, splits {}: {e}", SPLITS[n % 4]));
-    }
+    split_kv_matches_reference("mma", 0xbeef, &[DType::F16, DType::BF16]);
 }
 
 #[test]
 fn split_and_unsplit_agree() {
     let Some(mut be) = be() else { return };
     let mut rng = Rng::new(99);
-    for n in 0..cases().div_ceil(2) {
+    for n in 0..case_count().div_ceil(2) {
         let seed = rng.next_u64();
         let case = random_case(&mut rng, seed, &[DType::F16, DType::BF16]);
         let built = case.build();

@@ -19,10 +19,6 @@ fn be() -> Option<WgpuBackend> {
     }
 }
 
-fn cases() -> usize {
-    std::env::var("ATTNKIT_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64)
-}
-
 /// A random case, long in keys and short in queries so that every split has work (or none).
 fn random_case(rng: &mut Rng, seed: u64) -> Case {
     let layout = [LayoutKind::Dense, LayoutKind::Varlen, LayoutKind::Paged][rng.below(3)];
@@ -60,7 +56,7 @@ fn random_case(rng: &mut Rng, seed: u64) -> Case {
 fn split_kv_matches_reference() {
     let Some(mut be) = be() else { return };
     let mut rng = Rng::new(0x5eed);
-    for n in 0..cases() {
+    for n in 0..case_count() {
         let seed = rng.next_u64();
         let case = random_case(&mut rng, seed);
         be.set_kv_splits(Some([2, 3, 7, 64][n % 4]));
@@ -73,7 +69,7 @@ fn split_kv_matches_reference() {
 fn both_kernels_match_reference() {
     let Some(mut be) = be() else { return };
     let mut rng = Rng::new(0xbeef);
-    for n in 0..cases() {
+    for n in 0..case_count() {
         let seed = rng.next_u64();
         let mut case = random_case(&mut rng, seed);
         // Longer query sequences too, so that micro-tiles are full and ragged.
@@ -95,7 +91,7 @@ fn both_kernels_match_reference() {
 fn split_and_unsplit_agree() {
     let Some(mut be) = be() else { return };
     let mut rng = Rng::new(99);
-    for _ in 0..cases().div_ceil(4) {
+    for _ in 0..case_count().div_ceil(4) {
         let seed = rng.next_u64();
         let case = random_case(&mut rng, seed);
         let built = case.build();

@@ -162,9 +162,7 @@ impl Buf {
         }
     }
     fn get(&mut self, n: usize) -> &mut [f32] {
-        if self.0.len() < n + MAX_LANES {
-            self.0.resize(n + MAX_LANES, 0.0);
-        }
+        self.reserve(n);
         let off = self.0.as_ptr().align_offset(64).min(MAX_LANES);
         &mut self.0[off..off + n]
     }

@@ -277,3 +277,9 @@ pub fn sentinel(shape: &[usize], dtype: DType) -> Tensor {
 pub fn bytes(be: &dyn AttentionBackend, t: &Tensor) -> Vec<u8> {
     be.download(t).unwrap().host().map(HostData::to_le_bytes).unwrap()
 }
+
+/// Random cases per property: `ATTNKIT_CASES`, default 64.
+#[allow(dead_code)]
+pub fn case_count() -> usize {
+    std::env::var("ATTNKIT_CASES").ok().and_then(|s| s.parse().ok()).unwrap_or(64)
+}
