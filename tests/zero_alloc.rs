@@ -1,5 +1,6 @@
 //! The cpu backend allocates nothing on the heap inside `forward` when the caller gives `out` and
-//! `lse`, once warm. A counting global allocator (this binary's own) counts every allocation on
+//! `lse`, once warm; nor does the cuda backend (with a device; metadata unchanged since the last
+//! call, split-KV workspace grown). A counting global allocator (this binary's own) counts every allocation on
 //! every thread, rayon's workers included, while a window is open.
 //!
 //! The tests of this binary share one process-wide counter, so they take a lock and run one at a
@@ -314,8 +315,26 @@ fn cpu() -> Box<dyn AttentionBackend> {
 /// the pool would), otherwise from this plain thread. Returns the report of every case that
 /// allocated.
 fn allocations_in_forward(on_worker: bool) -> Vec<String> {
-    let be = cpu();
-    let cases = all_inputs();
+    allocations_in_forward_on(&*cpu(), on_worker)
+}
+
+fn allocations_in_forward_on(be: &dyn AttentionBackend, on_worker: bool) -> Vec<String> {
+    // The inputs on the backend's device; cases it does not support (a head dim, say) are left
+    // out, by name.
+    let cases: Vec<Inputs> = all_inputs()
+        .into_iter()
+        .filter_map(|mut c| {
+            c.q = be.upload(&c.q).unwrap();
+            c.k = be.upload(&c.k).unwrap();
+            c.v = be.upload(&c.v).unwrap();
+            if let Err(e) = be.forward(&c.call(), None, None) {
+                eprintln!("{}: `{}` left out: {e}", be.name(), c.name);
+                return None;
+            }
+            Some(c)
+        })
+        .collect();
+    assert!(cases.len() >= 8, "{}: only {} cases ran", be.name(), cases.len());
     let calls: Vec<AttnCall<'_>> = cases.iter().map(Inputs::call).collect();
     let mut outs: Vec<(Tensor, Tensor)> = cases
         .iter()
@@ -347,7 +366,8 @@ fn allocations_in_forward(on_worker: bool) -> Vec<String> {
             count(many)
         };
         r.unwrap();
-        eprintln!("{:32} {ROUNDS} calls: {n} allocations, {bytes} bytes", cases[i].name);
+        be.synchronize().unwrap();
+        eprintln!("{} {:32} {ROUNDS} calls: {n} allocations, {bytes} bytes", be.name(), cases[i].name);
         if n > 0 {
             report.push(format!(
                 "{}: {n} allocations ({bytes} bytes) in {ROUNDS} calls\n{}",
@@ -393,4 +413,28 @@ fn the_counter_sees_an_allocating_forward() {
     let (n, _, trace, _) = count(|| rayon::join(|| (), || std::hint::black_box(vec![1u8; 100])));
     assert!(n >= 1, "an allocation inside rayon was not counted");
     assert!(trace.is_some_and(|t| t.contains("first allocation")), "no backtrace was recorded");
+}
+
+/// The cuda backend, or `None` (said loudly) when `ATTNKIT_SKIP` names it; with no device and no
+/// skip the test fails.
+#[cfg(feature = "cuda")]
+fn cuda() -> Option<Box<dyn AttentionBackend>> {
+    let skip = std::env::var("ATTNKIT_SKIP").unwrap_or_default();
+    if skip.split(',').any(|s| s.trim() == "cuda") {
+        eprintln!("!!! SKIPPED: cuda zero-allocation test, ATTNKIT_SKIP names cuda; this is not a pass");
+        return None;
+    }
+    Some(attnkit::by_name("cuda").expect("no CUDA device, and ATTNKIT_SKIP does not name cuda"))
+}
+
+/// Dense, varlen and paged (the metadata mirror), split-KV decode (the workspace), every dtype:
+/// once warm, a call with caller buffers allocates nothing on the host, so a serving loop can
+/// run it forever (and capture it in a CUDA graph).
+#[cfg(feature = "cuda")]
+#[test]
+fn cuda_forward_with_caller_buffers_allocates_nothing() {
+    let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(be) = cuda() else { return };
+    let report = allocations_in_forward_on(&*be, false);
+    assert!(report.is_empty(), "cuda forward allocated with caller buffers:\n{}", report.join("\n"));
 }

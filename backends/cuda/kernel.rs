@@ -138,6 +138,13 @@ pub fn mma_traits(d: usize, post: bool) -> MmaTraits {
     MmaTraits { dpad, bm, bn, nw, minb, post }
 }
 
+/// A kernel variant as a `Copy` value (see [`Plan::kernel_key`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct KernelKey {
+    family: Family,
+    vals: [i64; 7],
+}
+
 /// Which kernel runs a call, and how.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Plan {
@@ -192,6 +199,19 @@ impl Plan {
                 ],
             },
         }
+    }
+    /// The kernel this plan runs, as a `Copy` key: the values of [`Plan::variant`]'s macros in
+    /// order. The kernel cache is looked up with it, so a warm call builds no [`Variant`].
+    pub fn kernel_key(&self, dtype: DType) -> KernelKey {
+        let dt = dtype_code(dtype);
+        let (family, vals) = match *self {
+            Plan::Simt { dmax } => (Family::Simt, [dt, dmax as i64, 0, 0, 0, 0, 0]),
+            Plan::Decode { lpk, rmax, .. } => (Family::Decode, [dt, lpk as i64, rmax as i64, 0, 0, 0, 0]),
+            Plan::Mma { t, .. } => {
+                (Family::Mma, [dt, t.dpad as i64, t.bm as i64, t.bn as i64, t.nw as i64, t.minb as i64, t.post as i64])
+            }
+        };
+        KernelKey { family, vals }
     }
     /// f32 elements of split-KV workspace this plan needs.
     pub fn workspace_elems(&self, c: &Checked<'_>) -> usize {

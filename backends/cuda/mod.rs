@@ -22,11 +22,11 @@ use std::sync::{Arc, Mutex};
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute, CUstreamCaptureStatus};
 use cudarc::driver::{
     result as drv, CudaContext, CudaEvent, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
-    PinnedHostSlice, PushKernelArg,
+    PinnedHostSlice,
 };
 use cudarc::nvrtc::Ptx;
 
-pub use kernel::{all_variants, mma_traits, MmaTraits, Plan, Variant, DECODE_MAX_ROWS};
+pub use kernel::{all_variants, mma_traits, KernelKey, MmaTraits, Plan, Variant, DECODE_MAX_ROWS};
 pub use nvrtc::{cache_dir, Family};
 
 use crate::backend::AttentionBackend;
@@ -76,8 +76,15 @@ impl CudaStorage {
 
 /// Whether the CUDA driver library can be loaded in this process.
 pub fn driver_available() -> bool {
+    // With `candle-cuda`, candle-core links cudarc to the CUDA libraries (its `dynamic-linking`),
+    // so the process could not have started without them.
+    #[cfg(feature = "candle-cuda")]
+    return true;
+    #[cfg(not(feature = "candle-cuda"))]
     // SAFETY: only tries to open the shared library by its usual names; nothing is called.
-    unsafe { cudarc::driver::sys::is_culib_present() }
+    unsafe {
+        cudarc::driver::sys::is_culib_present()
+    }
 }
 
 /// Whether the NVRTC library can be loaded in this process.
@@ -123,6 +130,8 @@ struct Loaded {
 struct State {
     /// The metadata last copied to `meta_dev` (host shadow, to skip unchanged uploads).
     shadow: Vec<i32>,
+    /// The metadata of the call in progress, built here so a warm call allocates nothing.
+    meta: Vec<i32>,
     staging: Option<PinnedHostSlice<i32>>,
     meta_dev: Option<CudaSlice<i32>>,
     /// Recorded after the last staging copy; waited on before the staging buffer is rewritten.
@@ -138,7 +147,7 @@ pub struct CudaBackend {
     arch: String,
     sms: usize,
     smem_optin: usize,
-    kernels: Mutex<HashMap<Variant, Arc<Loaded>>>,
+    kernels: Mutex<HashMap<KernelKey, Arc<Loaded>>>,
     state: Mutex<State>,
     force: Option<String>,
     splits: Option<usize>,
@@ -183,6 +192,22 @@ impl CudaBackend {
         // so cudarc's cross-stream events are not needed (and would break graph capture).
         unsafe { ctx.disable_event_tracking() };
         let stream = ctx.new_stream().map_err(be_err)?;
+        Self::build(ctx, stream, ordinal)
+    }
+
+    /// A backend that runs every call on `stream`, in its context: another library's stream
+    /// (candle's, for instance), so attention is ordered with that library's work and reads its
+    /// memory in place. The context's event tracking is left as its owner set it.
+    pub fn on_stream(stream: Arc<CudaStream>) -> Result<Self> {
+        if !nvrtc::available() {
+            return Err(no_device("the NVRTC library (libnvrtc) cannot be loaded; put its folder on LD_LIBRARY_PATH"));
+        }
+        let ctx = stream.context().clone();
+        let ordinal = ctx.ordinal();
+        Self::build(ctx, stream, ordinal)
+    }
+
+    fn build(ctx: Arc<CudaContext>, stream: Arc<CudaStream>, ordinal: usize) -> Result<Self> {
         let (major, minor) = ctx.compute_capability().map_err(be_err)?;
         let sms = ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map_err(be_err)? as usize;
         let smem_optin = ctx
@@ -202,6 +227,7 @@ impl CudaBackend {
             kernels: Mutex::new(HashMap::new()),
             state: Mutex::new(State {
                 shadow: Vec::new(),
+                meta: Vec::new(),
                 staging: None,
                 meta_dev: None,
                 copied: None,
@@ -262,7 +288,7 @@ impl CudaBackend {
     /// Compile (or load from the cache) every kernel a call needs, without running it.
     pub fn warm_up(&self, c: &Checked<'_>) -> Result<KernelInfo> {
         let plan = self.plan(c);
-        Ok(self.kernel(&plan.variant(c.dtype))?.info.clone())
+        Ok(self.kernel(&plan, c.dtype)?.info.clone())
     }
 
     /// What every kernel loaded so far uses.
@@ -289,11 +315,13 @@ impl CudaBackend {
         Ok(ms as f64 / iters.max(1) as f64)
     }
 
-    fn kernel(&self, v: &Variant) -> Result<Arc<Loaded>> {
+    fn kernel(&self, plan: &Plan, dtype: DType) -> Result<Arc<Loaded>> {
+        let key = plan.kernel_key(dtype);
         let mut map = self.kernels.lock().map_err(|_| be_err("kernel cache lock poisoned"))?;
-        if let Some(l) = map.get(v) {
+        if let Some(l) = map.get(&key) {
             return Ok(l.clone());
         }
+        let v = &plan.variant(dtype);
         let t0 = std::time::Instant::now();
         let (bin, cached) = nvrtc::cubin(v.family, &v.defines, &self.arch).map_err(be_err)?;
         let module =
@@ -343,8 +371,31 @@ impl CudaBackend {
             load_ms: t0.elapsed().as_secs_f64() * 1e3,
         };
         let l = Arc::new(Loaded { funcs, info });
-        map.insert(v.clone(), l.clone());
+        map.insert(key, l.clone());
         Ok(l)
+    }
+
+    /// Launch `f` with the parameter block as its one argument, straight through the driver (a
+    /// launch builder would collect its arguments in a heap vector on every call).
+    ///
+    /// # Safety
+    /// `f` must take exactly one argument of type `KernelParams`' device twin, and every pointer
+    /// in `kp` must be valid for what `f` does with it until the launch completes.
+    unsafe fn launch_params(&self, f: &CudaFunction, cfg: LaunchConfig, kp: &KernelParams) -> Result<()> {
+        let mut args = [std::ptr::from_ref(kp).cast_mut().cast::<std::ffi::c_void>()];
+        // SAFETY: the argument array holds one pointer to `kp`, which outlives this call (the
+        // driver copies kernel arguments at launch); the rest is the caller's contract.
+        unsafe {
+            drv::launch_kernel(
+                f.cu_function(),
+                cfg.grid_dim,
+                cfg.block_dim,
+                cfg.shared_mem_bytes,
+                self.stream.cu_stream(),
+                &mut args,
+            )
+        }
+        .map_err(be_err)
     }
 
     fn capturing(&self) -> Result<bool> {
@@ -510,11 +561,50 @@ impl AttentionBackend for CudaBackend {
     fn forward_into(&self, c: &Checked<'_>, out: &mut Tensor, lse: Option<&mut Tensor>) -> Result<()> {
         let call = c.call;
         let (q, k, v) = (self.storage("q", call.q)?, self.storage("k", call.k)?, self.storage("v", call.v)?);
-        let o_ptr = self.storage("out", out)?.ptr(&self.stream);
-        let lse_ptr = match &lse {
-            Some(l) => self.storage("lse", l)?.ptr(&self.stream),
-            None => 0,
+        let ptrs = DevicePtrs {
+            q: q.ptr(&self.stream),
+            k: k.ptr(&self.stream),
+            v: v.ptr(&self.stream),
+            out: self.storage("out", out)?.ptr(&self.stream),
+            lse: match &lse {
+                Some(l) => self.storage("lse", l)?.ptr(&self.stream),
+                None => 0,
+            },
         };
+        // SAFETY: the pointers are this backend's own allocations holding the validated tensors
+        // (`Tensor` checks its storage size against its shape); `out` and `lse` are borrowed
+        // mutably, so they alias no input; frees are stream-ordered after the launch.
+        unsafe { self.launch(c, ptrs) }
+    }
+}
+
+/// Device addresses of one call's tensors, for [`CudaBackend::launch`].
+#[derive(Clone, Copy, Debug)]
+pub struct DevicePtrs {
+    /// q, row-major in the call's layout.
+    pub q: u64,
+    /// k (or the k cache).
+    pub k: u64,
+    /// v (or the v cache).
+    pub v: u64,
+    /// The output.
+    pub out: u64,
+    /// The lse, or 0 when the call returns none.
+    pub lse: u64,
+}
+
+impl CudaBackend {
+    /// Run a validated call on tensors given by device address: the path for memory another
+    /// library owns (candle's tensors). Stream-ordered; nothing waits for the device.
+    ///
+    /// # Safety
+    /// Each pointer must address live device memory in this backend's context holding at least
+    /// the elements `c` describes, in its dtype, contiguous and row-major (`lse`: f32, or 0 when
+    /// `c` returns none); `out` and `lse` must be writable and overlap no input and each other;
+    /// everything must stay allocated until the work queued on [`CudaBackend::stream`] is done.
+    pub unsafe fn launch(&self, c: &Checked<'_>, ptrs: DevicePtrs) -> Result<()> {
+        let call = c.call;
+        let (o_ptr, lse_ptr) = (ptrs.out, ptrs.lse);
         if c.total_q == 0 || c.batch == 0 {
             return Ok(());
         }
@@ -522,10 +612,14 @@ impl AttentionBackend for CudaBackend {
             return Err(be_err(format!("batch {} or heads {} above the grid limit 65535", c.batch, c.hq)));
         }
         let plan = self.plan(c);
-        let loaded = self.kernel(&plan.variant(c.dtype))?;
+        let loaded = self.kernel(&plan, c.dtype)?;
+        self.ctx.bind_to_thread().map_err(be_err)?;
 
-        // Metadata, one i32 buffer: [cu_q | cu_k | block_table | seq_lens | alibi bits].
-        let mut meta: Vec<i32> = Vec::new();
+        let mut st = self.state.lock().map_err(|_| be_err("state lock poisoned"))?;
+        // Metadata, one i32 buffer: [cu_q | cu_k | block_table | seq_lens | alibi bits], built in
+        // the vector the state keeps (no allocation once it has grown).
+        let mut meta = std::mem::take(&mut st.meta);
+        meta.clear();
         let mut off = [usize::MAX; 5];
         let mut push = |slot: usize, xs: &mut dyn Iterator<Item = i32>, meta: &mut Vec<i32>| {
             off[slot] = meta.len();
@@ -547,8 +641,9 @@ impl AttentionBackend for CudaBackend {
             push(4, &mut sl.iter().map(|x| x.to_bits() as i32), &mut meta);
         }
 
-        let mut st = self.state.lock().map_err(|_| be_err("state lock poisoned"))?;
-        self.upload_meta(&mut st, &meta)?;
+        let uploaded = self.upload_meta(&mut st, &meta);
+        st.meta = meta;
+        uploaded?;
         let ws_elems = plan.workspace_elems(c);
         if ws_elems > 0 {
             self.ensure_workspace(&mut st, ws_elems)?;
@@ -578,9 +673,9 @@ impl AttentionBackend for CudaBackend {
         // Power-of-two blocks are addressed with shifts.
         let bs_shift = if c.block_size.is_power_of_two() { c.block_size.trailing_zeros() as i32 } else { -1 };
         let kp = KernelParams {
-            q: q.ptr(&self.stream),
-            k: k.ptr(&self.stream),
-            v: v.ptr(&self.stream),
+            q: ptrs.q,
+            k: ptrs.k,
+            v: ptrs.v,
             o: o_ptr,
             lse: lse_ptr,
             o_part: ws_o,
@@ -647,22 +742,19 @@ impl AttentionBackend for CudaBackend {
             ),
         };
         let func = &loaded.funcs[func_name];
-        let mut lb = self.stream.launch_builder(func);
-        lb.arg(&kp);
-        // SAFETY: `kp` matches the kernel's `AttnParams`; every pointer in it is a live device
-        // allocation of the size the kernel indexes (validated shapes, metadata and workspace
-        // sized above), and the buffers outlive the launch (stream-ordered frees).
-        unsafe { lb.launch(cfg) }.map_err(|e| be_err(format!("launching {func_name}: {e}")))?;
+        // SAFETY: `kp` matches the kernel's `AttnParams`; the tensor pointers hold what the kernel
+        // indexes by this function's contract (validated shapes), the metadata and workspace were
+        // sized above, and all of it outlives the launch (stream-ordered frees).
+        unsafe { self.launch_params(func, cfg, &kp) }.map_err(|e| be_err(format!("launching {func_name}: {e}")))?;
         if splits > 1 {
             let comb = &loaded.funcs["attn_combine"];
             let rows = c.total_q * c.hq;
             let cfg =
                 LaunchConfig { grid_dim: (rows.div_ceil(4) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-            let mut lb = self.stream.launch_builder(comb);
-            lb.arg(&kp);
             // SAFETY: as above; the combine kernel reads the partials the split kernel wrote
             // earlier on the same stream.
-            unsafe { lb.launch(cfg) }.map_err(|e| be_err(format!("launching attn_combine: {e}")))?;
+            unsafe { self.launch_params(comb, cfg, &kp) }
+                .map_err(|e| be_err(format!("launching attn_combine: {e}")))?;
         }
         drop(st);
         let _ = LayoutKind::Dense;

@@ -46,8 +46,15 @@ impl Family {
 
 /// Whether the NVRTC library can be loaded in this process.
 pub fn available() -> bool {
+    // With `candle-cuda`, candle-core links cudarc to the CUDA libraries (its `dynamic-linking`),
+    // so the process could not have started without them.
+    #[cfg(feature = "candle-cuda")]
+    return true;
+    #[cfg(not(feature = "candle-cuda"))]
     // SAFETY: only tries to open the shared library by its usual names; nothing is called.
-    unsafe { nsys::is_culib_present() }
+    unsafe {
+        nsys::is_culib_present()
+    }
 }
 
 /// `major.minor` of the loaded NVRTC.
