@@ -4,7 +4,11 @@
 //!
 //! ```text
 //! cargo run --release --example 10_llama_paged --features candle
+//! cargo run --release --example 10_llama_paged --features candle-cuda -- cuda   # on a GPU
 //! ```
+//!
+//! On CUDA the model's tensors live on the GPU; attnkit's attention runs on candle's stream with
+//! the cache and the output buffer in candle's device memory, and the candle engine uses cuBLAS.
 
 #[path = "common/llama.rs"]
 mod llama;
@@ -13,6 +17,11 @@ use candle_core::Device;
 use llama::{Config, Llama};
 
 fn main() -> candle_core::Result<()> {
+    let dev = match std::env::args().nth(1).as_deref() {
+        None | Some("cpu") => Device::Cpu,
+        Some("cuda") => Device::new_cuda(0)?,
+        Some(other) => candle_core::bail!("device `{other}`: use cpu or cuda"),
+    };
     let cfg = Config {
         vocab: 4096,
         hidden: 512,
@@ -24,7 +33,7 @@ fn main() -> candle_core::Result<()> {
         eps: 1e-5,
         max_pos: 4096,
     };
-    let model = Llama::new(cfg, 42, candle_core::DType::F32, &Device::Cpu)?;
+    let model = Llama::new(cfg, 42, candle_core::DType::F32, &dev)?;
     let lens = [96, 160, 224, 384];
     let steps = 32;
     let block_size = 16;
@@ -39,6 +48,7 @@ fn main() -> candle_core::Result<()> {
         cfg.intermediate,
         cfg.vocab
     );
+    println!("device: {dev:?}");
     println!(
         "batch: {} sequences, prompts {lens:?}, {steps} greedy steps, KV blocks of {block_size}; timings: best of 3",
         lens.len()
@@ -76,11 +86,13 @@ fn main() -> candle_core::Result<()> {
     if diff > tol {
         candle_core::bail!("attnkit and candle attention disagree: {diff:.3e} > {tol:.1e}");
     }
-    glue_overhead(&cfg, &lens, block_size)?;
+    if dev.is_cpu() {
+        glue_overhead(&cfg, &lens, block_size)?;
+    }
 
     // The same model in bf16: attnkit accumulates in f32 and rounds once; held to at most twice
     // the error of candle's own bf16 attention against the f32 model (8 steps: bf16 on the CPU is slow).
-    let bf16 = Llama::new(cfg, 42, candle_core::DType::BF16, &Device::Cpu)?;
+    let bf16 = Llama::new(cfg, 42, candle_core::DType::BF16, &dev)?;
     let (ours_err, theirs_err) = llama::low_precision_errors(&model, &bf16, &prompts, 8, block_size)?;
     println!(
         "bf16 model, max |logit - f32 model's| over 9 steps: attnkit attention {ours_err:.3e}, candle attention {theirs_err:.3e}"

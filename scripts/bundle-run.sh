@@ -7,12 +7,18 @@ shift || true
 echo "attnkit bundle $(cat "$here/COMMIT" 2>/dev/null) on $(hostname): $cmd $*"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
 export RUST_BACKTRACE=1
-# cudarc opens libnvrtc.so.13 (or libnvrtc.so) by name: put one on the loader path if needed.
-if ! ldconfig -p 2>/dev/null | grep -q 'libnvrtc\.so'; then
-  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib $(python3 -c 'import nvidia, os; print(" ".join(os.path.join(p, "cu13", "lib") for p in nvidia.__path__))' 2>/dev/null); do
-    if ls "$d"/libnvrtc.so* >/dev/null 2>&1; then export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"; echo "NVRTC from $d"; break; fi
+# cudarc opens libnvrtc.so.13 (or libnvrtc.so) by name, and binaries built with `candle-cuda` are
+# linked to libcublas, libcublasLt, libcurand and libnvrtc: put the CUDA (or PyTorch wheel) library
+# folders on the loader path.
+for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib $(python3 -c 'import nvidia, os, glob; print(" ".join(sorted({os.path.dirname(f) for p in nvidia.__path__ for f in glob.glob(os.path.join(p, "*", "lib", "lib*.so*"))})))' 2>/dev/null); do
+  for lib in libnvrtc.so libcublas.so libcublasLt.so libcurand.so; do
+    if compgen -G "$d/$lib*" >/dev/null; then
+      export LD_LIBRARY_PATH="$d${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+      echo "CUDA libraries from $d"
+      break
+    fi
   done
-fi
+done
 case "$cmd" in
   tests)
     rc=0
@@ -29,6 +35,9 @@ case "$cmd" in
     exec "$here/bin/attnkit" bench "$@" ;;
   cli)
     exec "$here/bin/attnkit" "$@" ;;
+  example)
+    name=$1; shift
+    exec "$here/examples/$name" "$@" ;;
   anchor)
     PYTHONUNBUFFERED=1 exec python3 "$here/torch_anchor.py" "$@" ;;
   sanitize)
@@ -46,5 +55,5 @@ case "$cmd" in
       done
     done
     exit $rc ;;
-  *) echo "usage: run.sh tests|test NAME|bench|cli|anchor|sanitize [args]"; exit 2 ;;
+  *) echo "usage: run.sh tests|test NAME|bench|cli|example NAME|anchor|sanitize [args]"; exit 2 ;;
 esac

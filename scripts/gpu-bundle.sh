@@ -8,11 +8,18 @@
 #   bash bundle/run.sh bench [attnkit bench args]     # there: attnkit bench
 #   bash bundle/run.sh anchor [torch_anchor args]     # there: the PyTorch SDPA peer (needs torch)
 #   bash bundle/run.sh sanitize [filter]              # there: compute-sanitizer memcheck + racecheck over the suite
+#   FEATURES=cuda,cli,candle-cuda scripts/gpu-bundle.sh   # also candle on CUDA (nvcc and link stubs
+#                                                     # from scripts/cuda-toolkit.sh), with the Llama example:
+#   bash bundle/run.sh example 10_llama_paged cuda    # there
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FEATURES=${FEATURES:-cuda,wgpu,cli}
+if [[ ",$FEATURES," == *",candle-cuda,"* ]]; then
+  # shellcheck source=/dev/null
+  source scripts/cuda-toolkit.sh
+fi
 rm -rf bundle
-mkdir -p bundle/bin
+mkdir -p bundle/bin bundle/examples
 # Test binaries (one per tests/*.rs and the lib's unit tests), paths read from cargo's JSON messages.
 cargo test --no-run --features "$FEATURES" --message-format=json 2>/dev/null |
   python3 -c '
@@ -26,9 +33,16 @@ for line in sys.stdin:
         print("bundled test", name)
 '
 if [[ ",$FEATURES," == *",cli,"* ]]; then
-  cargo build --release --features "$FEATURES" --bin attnkit
+  # The command uses no candle: build it without candle's CUDA build (nvcc) in release.
+  bin_features=$(echo ",$FEATURES," | sed 's/,candle-cuda,/,/g; s/^,//; s/,$//')
+  cargo build --release --features "$bin_features" --bin attnkit
   cp target/release/attnkit bundle/bin/attnkit
   echo "bundled attnkit (release)"
+fi
+if [[ ",$FEATURES," == *",candle-cuda,"* ]]; then
+  cargo build --release --features "$FEATURES" --example 10_llama_paged
+  cp target/release/examples/10_llama_paged bundle/examples/
+  echo "bundled example 10_llama_paged (release)"
 fi
 # The peer benchmark, if the shared folder is beside the checkout.
 for p in ../shared/gpu/torch_anchor.py shared/gpu/torch_anchor.py; do
@@ -36,6 +50,6 @@ for p in ../shared/gpu/torch_anchor.py shared/gpu/torch_anchor.py; do
 done
 cp scripts/bundle-run.sh bundle/run.sh
 # Debug info makes the binaries ten times larger than the code; the bundle has to travel.
-strip --strip-debug bundle/bin/* 2>/dev/null || true
+strip --strip-debug bundle/bin/* bundle/examples/* 2>/dev/null || true
 git rev-parse --short HEAD > bundle/COMMIT 2>/dev/null || true
 du -sh bundle

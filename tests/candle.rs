@@ -62,15 +62,14 @@ enum Mem {
 }
 
 /// A candle tensor of `shape` holding exactly `data` (already rounded to `dtype`), laid out as `mem`.
-fn to_candle(data: &[f64], shape: &[usize], dtype: DType, mem: Mem) -> cc::Result<cc::Tensor> {
-    let dev = cc::Device::Cpu;
-    let t = cc::Tensor::from_vec(data.to_vec(), shape, &dev)?.to_dtype(cdt(dtype))?;
+fn to_candle(data: &[f64], shape: &[usize], dtype: DType, mem: Mem, dev: &cc::Device) -> cc::Result<cc::Tensor> {
+    let t = cc::Tensor::from_vec(data.to_vec(), shape, &cc::Device::Cpu)?.to_dtype(cdt(dtype))?.to_device(dev)?;
     match mem {
         Mem::Contiguous => Ok(t),
         Mem::Offset => {
             let mut pad_shape = shape.to_vec();
             pad_shape[0] = 2;
-            let pad = cc::Tensor::full(f32::NAN, pad_shape, &dev)?.to_dtype(cdt(dtype))?;
+            let pad = cc::Tensor::full(f32::NAN, pad_shape, dev)?.to_dtype(cdt(dtype))?;
             let big = cc::Tensor::cat(&[&pad, &t], 0)?;
             let v = big.narrow(0, 2, shape[0])?;
             assert!(v.is_contiguous() && (v.layout().start_offset() > 0 || v.elem_count() == 0));
@@ -78,7 +77,7 @@ fn to_candle(data: &[f64], shape: &[usize], dtype: DType, mem: Mem) -> cc::Resul
         }
         Mem::Strided => {
             let last = shape.len() - 1;
-            let junk = cc::Tensor::full(f32::NAN, shape, &dev)?.to_dtype(cdt(dtype))?;
+            let junk = cc::Tensor::full(f32::NAN, shape, dev)?.to_dtype(cdt(dtype))?;
             let wide = cc::Tensor::cat(&[&junk, &t], last)?;
             let v = wide.narrow(last, shape[last], shape[last])?;
             assert!(!v.is_contiguous() || shape.iter().product::<usize>() == 0);
@@ -238,11 +237,11 @@ impl Case {
         reference::attention_f64(&validate(&call, Device::Host, "reference", None, None)?)
     }
 
-    fn inputs(&self, mem: Mem) -> cc::Result<[cc::Tensor; 3]> {
+    fn inputs(&self, mem: Mem, dev: &cc::Device) -> cc::Result<[cc::Tensor; 3]> {
         Ok([
-            to_candle(&self.q, &self.q_shape, self.dtype, mem)?,
-            to_candle(&self.k, &self.kv_shape, self.dtype, mem)?,
-            to_candle(&self.v, &self.kv_shape, self.dtype, mem)?,
+            to_candle(&self.q, &self.q_shape, self.dtype, mem, dev)?,
+            to_candle(&self.k, &self.kv_shape, self.dtype, mem, dev)?,
+            to_candle(&self.v, &self.kv_shape, self.dtype, mem, dev)?,
         ])
     }
 }
@@ -261,12 +260,17 @@ fn check_close(what: &str, got: &[f64], want: &[f64], (atol, rtol): (f64, f64), 
 
 #[test]
 fn random_cases_match_the_reference_in_every_layout_and_dtype() -> Res {
+    random_cases(&cc::Device::Cpu)
+}
+
+fn random_cases(dev: &cc::Device) -> Res {
     let mut counted = [0usize; 3];
     for seed in 0..72u64 {
         let case = Case::random(seed);
         let (want_out, want_lse) = case.reference()?;
         let mem = [Mem::Contiguous, Mem::Offset, Mem::Strided][(seed as usize / 9) % 3];
-        let [q, k, v] = case.inputs(mem)?;
+        let [q, k, v] = case.inputs(mem, dev)?;
+        assert!(q.device().same_device(dev));
         let attn = case.attn();
         let what = format!("{} {} {mem:?} {:?}", case.kind, case.dtype, case.params);
 
@@ -274,6 +278,7 @@ fn random_cases_match_the_reference_in_every_layout_and_dtype() -> Res {
         assert_eq!(out.dims(), case.q_shape.as_slice(), "{what}");
         assert_eq!(out.dtype(), cdt(case.dtype), "{what}");
         assert_eq!(lse.dims(), attn.lse_shape(&q)?.as_slice(), "{what}");
+        assert!(out.device().same_device(dev) && lse.device().same_device(dev), "{what}");
         check_close(&format!("out ({what})"), &to_f64(&out)?, &want_out, tol(case.dtype), seed);
         check_close(&format!("lse ({what})"), &to_f64(&lse)?, &want_lse, (1e-3, 1e-4), seed);
         let plain = attn.forward(&q, &k, &v)?;
@@ -282,10 +287,10 @@ fn random_cases_match_the_reference_in_every_layout_and_dtype() -> Res {
         // Into caller buffers that sit at an offset inside larger tensors: bit-identical, and
         // the elements around them untouched.
         let n: usize = case.q_shape.iter().product();
-        let big = cc::Tensor::full(7f32, n + 5, &cc::Device::Cpu)?.to_dtype(cdt(case.dtype))?;
+        let big = cc::Tensor::full(7f32, n + 5, dev)?.to_dtype(cdt(case.dtype))?;
         let buf = big.narrow(0, 3, n)?.reshape(case.q_shape.as_slice())?;
         let lse_n: usize = lse.dims().iter().product();
-        let lse_big = cc::Tensor::full(7f32, lse_n + 2, &cc::Device::Cpu)?;
+        let lse_big = cc::Tensor::full(7f32, lse_n + 2, dev)?;
         let lse_buf = lse_big.narrow(0, 1, lse_n)?.reshape(lse.dims())?;
         attn.forward_into(&q, &k, &v, &buf, Some(&lse_buf))?;
         assert_eq!(to_f64(&buf)?, to_f64(&out)?, "forward_into differs from forward ({what})");
@@ -303,11 +308,10 @@ fn random_cases_match_the_reference_in_every_layout_and_dtype() -> Res {
 }
 
 /// A simple GQA decode problem for the buffer-rule tests.
-fn small() -> cc::Result<(cc::Tensor, cc::Tensor, cc::Tensor)> {
-    let dev = cc::Device::Cpu;
-    let q = cc::Tensor::randn(0f32, 1.0, (2, 5, 4, 16), &dev)?;
-    let k = cc::Tensor::randn(0f32, 1.0, (2, 9, 2, 16), &dev)?;
-    let v = cc::Tensor::randn(0f32, 1.0, (2, 9, 2, 16), &dev)?;
+fn small(dev: &cc::Device) -> cc::Result<(cc::Tensor, cc::Tensor, cc::Tensor)> {
+    let q = cc::Tensor::randn(0f32, 1.0, (2, 5, 4, 16), dev)?;
+    let k = cc::Tensor::randn(0f32, 1.0, (2, 9, 2, 16), dev)?;
+    let v = cc::Tensor::randn(0f32, 1.0, (2, 9, 2, 16), dev)?;
     Ok((q, k, v))
 }
 
@@ -327,7 +331,11 @@ fn assert_value_err(r: attnkit::Result<()>, arg: &str, mentions: &str) {
 
 #[test]
 fn an_output_aliasing_an_input_is_rejected_before_anything_runs() -> Res {
-    let (q, k, v) = small()?;
+    aliasing(&cc::Device::Cpu)
+}
+
+fn aliasing(dev: &cc::Device) -> Res {
+    let (q, k, v) = small(dev)?;
     let attn = Attn::dense().causal(true);
     let before = snapshot(&q);
     // out is q itself.
@@ -335,7 +343,7 @@ fn an_output_aliasing_an_input_is_rejected_before_anything_runs() -> Res {
     assert_eq!(snapshot(&q), before);
 
     // out and k are disjoint views of one storage: still refused (one rule, no overlap maths).
-    let both = cc::Tensor::randn(0f32, 1.0, (2 * 9 * 2 * 16 + 2 * 5 * 4 * 16,), &cc::Device::Cpu)?;
+    let both = cc::Tensor::randn(0f32, 1.0, (2 * 9 * 2 * 16 + 2 * 5 * 4 * 16,), dev)?;
     let k2 = both.narrow(0, 0, 2 * 9 * 2 * 16)?.reshape((2, 9, 2, 16))?;
     let out2 = both.narrow(0, 2 * 9 * 2 * 16, 2 * 5 * 4 * 16)?.reshape((2, 5, 4, 16))?;
     let before = snapshot(&both);
@@ -343,7 +351,7 @@ fn an_output_aliasing_an_input_is_rejected_before_anything_runs() -> Res {
     assert_eq!(snapshot(&both), before);
 
     // lse aliasing v or out.
-    let out = cc::Tensor::zeros((2, 5, 4, 16), cc::DType::F32, &cc::Device::Cpu)?;
+    let out = cc::Tensor::zeros((2, 5, 4, 16), cc::DType::F32, dev)?;
     let lse_v = v.flatten_all()?.narrow(0, 0, 2 * 4 * 5)?.reshape((2, 4, 5))?;
     assert_value_err(attn.forward_into(&q, &k, &v, &out, Some(&lse_v)), "lse", "`v`");
     let lse_o = out.flatten_all()?.narrow(0, 0, 2 * 4 * 5)?.reshape((2, 4, 5))?;
@@ -358,11 +366,15 @@ fn an_output_aliasing_an_input_is_rejected_before_anything_runs() -> Res {
 
 #[test]
 fn a_non_contiguous_output_is_an_error_and_non_contiguous_inputs_are_made_contiguous() -> Res {
-    let (q, k, v) = small()?;
+    non_contiguous(&cc::Device::Cpu)
+}
+
+fn non_contiguous(dev: &cc::Device) -> Res {
+    let (q, k, v) = small(dev)?;
     let attn = Attn::dense();
     let want = attn.forward(&q, &k, &v)?;
     // out as a transposed view: refused, untouched.
-    let t = cc::Tensor::zeros((2, 4, 5, 16), cc::DType::F32, &cc::Device::Cpu)?;
+    let t = cc::Tensor::zeros((2, 4, 5, 16), cc::DType::F32, dev)?;
     let out = t.transpose(1, 2)?;
     assert!(!out.is_contiguous());
     assert_value_err(attn.forward_into(&q, &k, &v, &out, None), "out", "contiguous");
@@ -374,7 +386,7 @@ fn a_non_contiguous_output_is_an_error_and_non_contiguous_inputs_are_made_contig
     assert!(!qv.is_contiguous() && !kv.is_contiguous());
     let got = attn.forward(&qv, &kv, &vv)?;
     assert_eq!(snapshot(&got), snapshot(&want));
-    let buf = cc::Tensor::zeros((2, 5, 4, 16), cc::DType::F32, &cc::Device::Cpu)?;
+    let buf = cc::Tensor::zeros((2, 5, 4, 16), cc::DType::F32, dev)?;
     attn.forward_into(&qv, &kv, &vv, &buf, None)?;
     assert_eq!(snapshot(&buf), snapshot(&want));
     Ok(())
@@ -382,18 +394,21 @@ fn a_non_contiguous_output_is_an_error_and_non_contiguous_inputs_are_made_contig
 
 #[test]
 fn bad_inputs_get_typed_errors_and_leave_the_buffer_untouched() -> Res {
-    let (q, k, v) = small()?;
-    let dev = cc::Device::Cpu;
-    let out = cc::Tensor::full(3f32, (2, 5, 4, 16), &dev)?;
+    bad_inputs(&cc::Device::Cpu)
+}
+
+fn bad_inputs(dev: &cc::Device) -> Res {
+    let (q, k, v) = small(dev)?;
+    let out = cc::Tensor::full(3f32, (2, 5, 4, 16), dev)?;
     let attn = Attn::dense();
     // Wrong out shape.
-    let short = cc::Tensor::full(3f32, (2, 5, 4, 8), &dev)?;
+    let short = cc::Tensor::full(3f32, (2, 5, 4, 8), dev)?;
     assert!(matches!(attn.forward_into(&q, &k, &v, &short, None), Err(Error::Shape { arg: "out", .. })));
     // Wrong out dtype.
     let half = out.to_dtype(cc::DType::F16)?;
     assert!(matches!(attn.forward_into(&q, &k, &v, &half, None), Err(Error::DType { arg: "out", .. })));
     // Hq not a multiple of Hkv.
-    let k3 = cc::Tensor::randn(0f32, 1.0, (2, 9, 3, 16), &dev)?;
+    let k3 = cc::Tensor::randn(0f32, 1.0, (2, 9, 3, 16), dev)?;
     assert!(matches!(attn.forward_into(&q, &k3, &k3.clone(), &out, None), Err(Error::Value { .. })));
     // A dtype attention does not take.
     let q64 = q.to_dtype(cc::DType::F64)?;
@@ -401,9 +416,9 @@ fn bad_inputs_get_typed_errors_and_leave_the_buffer_untouched() -> Res {
     // softcap <= 0.
     assert!(matches!(attn.softcap(Some(0.0)).forward_into(&q, &k, &v, &out, None), Err(Error::Value { .. })));
     // Paged: a block index out of range.
-    let qp = cc::Tensor::randn(0f32, 1.0, (3, 4, 16), &dev)?;
-    let cache = cc::Tensor::randn(0f32, 1.0, (4, 4, 2, 16), &dev)?;
-    let outp = cc::Tensor::full(3f32, (3, 4, 16), &dev)?;
+    let qp = cc::Tensor::randn(0f32, 1.0, (3, 4, 16), dev)?;
+    let cache = cc::Tensor::randn(0f32, 1.0, (4, 4, 2, 16), dev)?;
+    let outp = cc::Tensor::full(3f32, (3, 4, 16), dev)?;
     let (cu, table, lens) = ([0, 3], [0, 4], [6]);
     match Attn::paged(&cu, &table, 2, &lens).forward_into(&qp, &cache, &cache.clone(), &outp, None) {
         Err(Error::Value { arg, value, .. }) => assert_eq!((arg.as_str(), value.as_str()), ("block_table[0][1]", "4")),
@@ -416,10 +431,13 @@ fn bad_inputs_get_typed_errors_and_leave_the_buffer_untouched() -> Res {
 
 #[test]
 fn reshape_and_cache_writes_by_slot_skips_minus_one_and_checks_first() -> Res {
-    let dev = cc::Device::Cpu;
-    let kc = cc::Tensor::zeros((3, 2, 1, 4), cc::DType::F32, &dev)?;
-    let vc = cc::Tensor::zeros((3, 2, 1, 4), cc::DType::F32, &dev)?;
-    let key = cc::Tensor::arange(1f32, 13.0, &dev)?.reshape((3, 1, 4))?;
+    reshape_and_cache_rules(&cc::Device::Cpu)
+}
+
+fn reshape_and_cache_rules(dev: &cc::Device) -> Res {
+    let kc = cc::Tensor::zeros((3, 2, 1, 4), cc::DType::F32, dev)?;
+    let vc = cc::Tensor::zeros((3, 2, 1, 4), cc::DType::F32, dev)?;
+    let key = cc::Tensor::arange(1f32, 13.0, dev)?.reshape((3, 1, 4))?;
     let value = (&key * 10.0)?;
     reshape_and_cache(&key, &value, &kc, &vc, &[5, -1, 0])?;
     let k = kc.reshape((6, 4))?.to_vec2::<f32>()?;
@@ -441,16 +459,15 @@ fn reshape_and_cache_writes_by_slot_skips_minus_one_and_checks_first() -> Res {
 #[test]
 fn paged_cache_steps_match_varlen_attention_over_the_whole_history() -> Res {
     for dtype in DType::FLOATS {
-        paged_cache_steps(dtype)?;
+        paged_cache_steps(dtype, &cc::Device::Cpu)?;
     }
     Ok(())
 }
 
-fn paged_cache_steps(dtype: DType) -> Res {
-    let dev = cc::Device::Cpu;
+fn paged_cache_steps(dtype: DType, dev: &cc::Device) -> Res {
     let (hkv, hq, d, bs) = (2, 6, 32, 4);
     let mut rng = Rng(11);
-    let mut cache = PagedKvCache::new(1, 24, bs, hkv, d, cdt(dtype), &dev)?;
+    let mut cache = PagedKvCache::new(1, 24, bs, hkv, d, cdt(dtype), dev)?;
     let ids: Vec<usize> = (0..3).map(|_| cache.add_sequence()).collect();
     // Every sequence's keys and values so far (as the cache holds them), to check against.
     let mut hist: Vec<(Vec<f64>, Vec<f64>)> = vec![(vec![], vec![]); 3];
@@ -461,7 +478,7 @@ fn paged_cache_steps(dtype: DType) -> Res {
         assert_eq!(batch.num_tokens(), t);
         let mut tensor = |n: usize, amp: f64| -> cc::Result<cc::Tensor> {
             let x: Vec<f32> = rng.vec(t * n * d, amp).iter().map(|&x| x as f32).collect();
-            cc::Tensor::from_vec(x, (t, n, d), &dev)?.to_dtype(cdt(dtype))
+            cc::Tensor::from_vec(x, (t, n, d), dev)?.to_dtype(cdt(dtype))
         };
         let (k, v, q) = (tensor(hkv, 1.5)?, tensor(hkv, 1.0)?, tensor(hq, 1.5)?);
         cache.append(0, &k, &v, &batch)?;
@@ -508,6 +525,10 @@ fn paged_cache_steps(dtype: DType) -> Res {
 
 #[test]
 fn llama_decoder_with_paged_attnkit_attention_matches_candle_attention() -> Res {
+    llama_matches(&cc::Device::Cpu)
+}
+
+fn llama_matches(dev: &cc::Device) -> Res {
     let cfg = llama::Config {
         vocab: 512,
         hidden: 128,
@@ -519,7 +540,7 @@ fn llama_decoder_with_paged_attnkit_attention_matches_candle_attention() -> Res 
         eps: 1e-5,
         max_pos: 512,
     };
-    let model = llama::Llama::new(cfg, 3, cc::DType::F32, &cc::Device::Cpu)?;
+    let model = llama::Llama::new(cfg, 3, cc::DType::F32, dev)?;
     let prompts = llama::prompts(&[5, 17, 33], cfg.vocab, 1);
     let steps = 6;
     let (ours, theirs) = llama::compare(&model, &prompts, steps, 4, 1)?;
@@ -581,6 +602,10 @@ fn threads_sharing_the_inputs_write_their_own_buffers_without_deadlock() -> Res 
 
 #[test]
 fn llama_decoder_in_f16_and_bf16_is_within_twice_candles_own_error() -> Res {
+    llama_low_precision(&cc::Device::Cpu)
+}
+
+fn llama_low_precision(dev: &cc::Device) -> Res {
     let cfg = llama::Config {
         vocab: 256,
         hidden: 128,
@@ -592,13 +617,97 @@ fn llama_decoder_in_f16_and_bf16_is_within_twice_candles_own_error() -> Res {
         eps: 1e-5,
         max_pos: 256,
     };
-    let model = llama::Llama::new(cfg, 5, cc::DType::F32, &cc::Device::Cpu)?;
+    let model = llama::Llama::new(cfg, 5, cc::DType::F32, dev)?;
     let prompts = llama::prompts(&[7, 21], cfg.vocab, 2);
     for dtype in [cc::DType::F16, cc::DType::BF16] {
-        let lp = llama::Llama::new(cfg, 5, dtype, &cc::Device::Cpu)?;
+        let lp = llama::Llama::new(cfg, 5, dtype, dev)?;
         let (ours, theirs) = llama::low_precision_errors(&model, &lp, &prompts, 4, 4)?;
         assert!(theirs > 0.0, "{dtype:?}: candle's low-precision run equals f32: the check would be empty");
         assert!(ours <= 2.0 * theirs, "{dtype:?}: attnkit error {ours} > 2 x candle's {theirs}");
     }
     Ok(())
+}
+
+/// The same checks on CUDA tensors (feature `candle-cuda`): candle's device memory through the
+/// `cuda` backend on candle's stream. Without a GPU these fail unless `ATTNKIT_SKIP` names cuda,
+/// and then they say so loudly.
+#[cfg(feature = "candle-cuda")]
+mod on_cuda {
+    use super::*;
+
+    fn dev() -> Option<cc::Device> {
+        let skip = std::env::var("ATTNKIT_SKIP").unwrap_or_default();
+        if skip.split(',').any(|s| s.trim() == "cuda") {
+            eprintln!("!!! SKIPPED: candle CUDA test, ATTNKIT_SKIP names cuda (no GPU here); this is not a pass");
+            return None;
+        }
+        Some(cc::Device::new_cuda(0).expect("no CUDA device, and ATTNKIT_SKIP does not name cuda"))
+    }
+
+    macro_rules! on_cuda {
+        ($($name:ident => $body:expr;)*) => {$(
+            #[test]
+            fn $name() -> Res {
+                let Some(dev) = dev() else { return Ok(()) };
+                $body(&dev)
+            }
+        )*};
+    }
+
+    on_cuda! {
+        cuda_random_cases_match_the_reference_in_every_layout_and_dtype => random_cases;
+        cuda_an_output_aliasing_an_input_is_rejected => aliasing;
+        cuda_non_contiguous_outputs_are_errors_and_inputs_are_made_contiguous => non_contiguous;
+        cuda_bad_inputs_get_typed_errors_and_leave_the_buffer_untouched => bad_inputs;
+        cuda_reshape_and_cache_writes_by_slot => reshape_and_cache_rules;
+        cuda_llama_decoder_matches_candle_attention => llama_matches;
+        cuda_llama_decoder_in_f16_and_bf16_within_twice_candles_error => llama_low_precision;
+        cuda_inputs_on_two_devices_are_a_typed_error => two_devices;
+    }
+
+    #[test]
+    fn cuda_paged_cache_steps_match_varlen_attention() -> Res {
+        let Some(dev) = dev() else { return Ok(()) };
+        for dtype in DType::FLOATS {
+            paged_cache_steps(dtype, &dev)?;
+        }
+        Ok(())
+    }
+
+    /// CUDA results equal the CPU backend's within the contract (the same call on the same data).
+    #[test]
+    fn cuda_agrees_with_cpu_on_the_same_candle_call() -> Res {
+        let Some(dev) = dev() else { return Ok(()) };
+        for seed in 100..130u64 {
+            let case = Case::random(seed);
+            let attn = case.attn();
+            let [q, k, v] = case.inputs(Mem::Contiguous, &cc::Device::Cpu)?;
+            let [qc, kc, vc] = case.inputs(Mem::Contiguous, &dev)?;
+            let (o1, l1) = attn.forward_lse(&q, &k, &v)?;
+            let (o2, l2) = attn.forward_lse(&qc, &kc, &vc)?;
+            let (a, b) = tol(case.dtype);
+            check_close(
+                &format!("cuda vs cpu out {}", case.kind),
+                &to_f64(&o2)?,
+                &to_f64(&o1)?,
+                (2.0 * a, 2.0 * b),
+                seed,
+            );
+            check_close(&format!("cuda vs cpu lse {}", case.kind), &to_f64(&l2)?, &to_f64(&l1)?, (2e-3, 2e-4), seed);
+        }
+        Ok(())
+    }
+
+    fn two_devices(dev: &cc::Device) -> Res {
+        let (q, k, v) = small(dev)?;
+        let k_cpu = k.to_device(&cc::Device::Cpu)?;
+        let out = cc::Tensor::full(3f32, (2, 5, 4, 16), dev)?;
+        let attn = Attn::dense();
+        assert_value_err(attn.forward_into(&q, &k_cpu, &v, &out, None), "k", "device");
+        assert!(matches!(attn.forward(&q, &k_cpu, &v), Err(Error::Value { arg, .. }) if arg == "k"));
+        let out_cpu = out.to_device(&cc::Device::Cpu)?;
+        assert_value_err(attn.forward_into(&q, &k, &v, &out_cpu, None), "out", "device");
+        assert!(snapshot(&out).iter().all(|&x| x == 3.0));
+        Ok(())
+    }
 }

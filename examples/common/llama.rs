@@ -82,6 +82,11 @@ pub trait Engine {
 }
 
 impl Llama {
+    /// The device the weights are on.
+    pub fn device(&self) -> &Device {
+        self.cos.device()
+    }
+
     /// Random weights from `seed`: linears uniform with the variance of `1 / fan_in`, embeddings
     /// uniform in [-1, 1), norm weights near 1; drawn in f32, stored and run in `dtype`.
     pub fn new(cfg: Config, seed: u64, dtype: DType, dev: &Device) -> Result<Self> {
@@ -170,6 +175,22 @@ impl Llama {
     }
 }
 
+/// Attention timing: on a GPU the work is asynchronous, so the device is synchronised on both
+/// sides of the timed region (both engines pay the same).
+fn start(dev: &Device) -> Result<Instant> {
+    if !dev.is_cpu() {
+        dev.synchronize()?;
+    }
+    Ok(Instant::now())
+}
+
+fn stop(dev: &Device, t0: Instant) -> Result<f64> {
+    if !dev.is_cpu() {
+        dev.synchronize()?;
+    }
+    Ok(t0.elapsed().as_secs_f64())
+}
+
 /// attnkit: new keys and values go into a [`PagedKvCache`] by slot, attention is one paged call
 /// per layer into an output buffer allocated once per step and shared by all layers.
 pub struct PagedEngine {
@@ -198,7 +219,7 @@ impl Engine for PagedEngine {
         Ok(self.batch.positions.clone())
     }
     fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        let t0 = Instant::now();
+        let t0 = start(q.device())?;
         self.cache.append(layer, k, v, &self.batch)?;
         if self.out.as_ref().map(|o| o.dims() != q.dims()).unwrap_or(true) {
             self.out = Some(Tensor::zeros(q.dims(), q.dtype(), q.device())?);
@@ -206,7 +227,7 @@ impl Engine for PagedEngine {
         let out = self.out.as_ref().expect("allocated above");
         let attn = self.batch.attn().causal(true);
         attn.forward_into(q, self.cache.k_cache(layer), self.cache.v_cache(layer), out, None)?;
-        self.secs += t0.elapsed().as_secs_f64();
+        self.secs += stop(q.device(), t0)?;
         // A view of the buffer: the next layer overwrites it after o_proj has read this one.
         Ok(out.clone())
     }
@@ -245,7 +266,7 @@ impl Engine for CandleEngine {
         Ok(pos)
     }
     fn attend(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<Tensor> {
-        let t0 = Instant::now();
+        let t0 = start(q.device())?;
         let (_, hq, d) = q.dims3()?;
         let hkv = k.dim(1)?;
         let scale = 1.0 / (d as f64).sqrt();
@@ -280,7 +301,7 @@ impl Engine for CandleEngine {
             outs.push(p.matmul(&vr)?.transpose(0, 1)?); // [n, Hq, D]
         }
         let out = Tensor::cat(&outs, 0)?;
-        self.secs += t0.elapsed().as_secs_f64();
+        self.secs += stop(q.device(), t0)?;
         Ok(out)
     }
     fn name(&self) -> &'static str {
@@ -404,7 +425,7 @@ pub fn compare(
     block_size: usize,
     reps: usize,
 ) -> Result<(Run, Run)> {
-    let dev = Device::Cpu;
+    let dev = model.device().clone();
     let need: usize = prompts.iter().map(|p| (p.len() + steps).div_ceil(block_size)).sum();
     let paged = || PagedEngine::new(model, prompts.len(), need + 4, block_size, &dev);
     let warm = steps.min(2);
@@ -438,7 +459,7 @@ pub fn low_precision_errors(
     steps: usize,
     block_size: usize,
 ) -> Result<(f32, f32)> {
-    let dev = Device::Cpu;
+    let dev = f32_model.device().clone();
     let need: usize = prompts.iter().map(|p| (p.len() + steps).div_ceil(block_size)).sum();
     let mut paged = PagedEngine::new(f32_model, prompts.len(), need + 4, block_size, &dev)?;
     let tokens = generate(f32_model, &mut paged, prompts, steps, None)?.tokens;

@@ -230,7 +230,7 @@ pub fn reshape_and_cache(
     slot_mapping: &[i64],
 ) -> Result<()> {
     for (arg, t) in [("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)] {
-        check_device(arg, t)?;
+        check_device(arg, t, k_cache)?;
         if kit_dtype(arg, t.dtype())? == DType::I32 {
             return Err(Error::value(arg, "dtype i32", "a KV cache holds f32, f16 or bf16"));
         }
@@ -350,5 +350,15 @@ impl InplaceOp2 for Scatter<'_> {
             cc::DType::BF16 => self.run::<half::bf16>(dst, dl, src, sl),
             other => Err(cc::Error::Msg(format!("reshape_and_cache: dtype {} not taken", other.as_str()))),
         }
+    }
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dl: &cc::Layout,
+        src: &candle_core::CudaStorage,
+        sl: &cc::Layout,
+    ) -> cc::Result<()> {
+        super::cuda::scatter_rows(self.slots, self.row, self.rows, dst, dl, src, sl)
     }
 }

@@ -21,10 +21,14 @@
 //!
 //! ## Devices
 //! CPU tensors run attnkit's `cpu` backend directly on candle's memory (f32, f16, bf16): no copy
-//! in, no copy out. CUDA tensors are not taken by this build: candle-core's own `cuda` feature
-//! needs `nvcc` at build time (for candle-kernels) and links cudarc with `dynamic-linking`, which
-//! cudarc refuses to combine with the `dynamic-loading` attnkit's `cuda` feature uses. A tensor on
-//! another device is an [`Error::Backend`] naming the argument and the device.
+//! in, no copy out. With the `candle-cuda` feature (candle-core's own `cuda` feature: nvcc at
+//! build time for candle's kernels, see `scripts/cuda-toolkit.sh`), CUDA tensors run attnkit's
+//! `cuda` backend on the device's candle stream: the kernels read candle's device memory by
+//! address and write the output (or the caller's buffer) in place, ordered with candle's other
+//! work on that stream; nothing is copied and nothing waits for the device. One backend per candle
+//! device is made on first use and kept (compiled kernels, metadata mirror, split-KV workspace).
+//! All tensors of a call must be on `q`'s device; another device is an [`Error`] naming the
+//! argument, before anything runs.
 //!
 //! ```
 //! use attnkit::candle::Attn;
@@ -53,6 +57,8 @@
 //! returns candle's `Result`. A decoder with a paged KV cache: see [`PagedKvCache`].
 
 mod cache;
+#[cfg(feature = "candle-cuda")]
+mod cuda;
 
 pub use cache::{reshape_and_cache, PagedBatch, PagedKvCache};
 
@@ -163,10 +169,11 @@ impl<'a> Attn<'a> {
         let names = self.names();
         let inputs = [(names[0], q), (names[1], k), (names[2], v)];
         for (arg, t) in inputs {
-            check_device(arg, t)?;
+            check_device(arg, t, q)?;
         }
         // Every bad input gets its typed error here, before candle runs anything.
-        self.check(desc(names[0], q)?, desc(names[1], k)?, desc(names[2], v)?, None, None, want_lse, |_| ())?;
+        let on = On::of(q)?;
+        self.check(on.on(), desc(names[0], q)?, desc(names[1], k)?, desc(names[2], v)?, None, None, want_lse, |_| ())?;
         let (q, k, v) = (contiguous(q)?, contiguous(k)?, contiguous(v)?);
         let op = if want_lse { AttnOp::with_lse(*self) } else { AttnOp::new(*self) };
         let out = q.apply_op3_no_bwd(&k, &v, &op).map_err(from_candle)?;
@@ -187,7 +194,7 @@ impl<'a> Attn<'a> {
         let names = self.names();
         let inputs = [(names[0], q), (names[1], k), (names[2], v)];
         for (arg, t) in inputs.iter().chain([("out", out)].iter()).chain(lse.map(|l| ("lse", l)).iter()) {
-            check_device(arg, t)?;
+            check_device(arg, t, q)?;
         }
         for (arg, t) in inputs {
             if same_storage(out, t) {
@@ -209,7 +216,9 @@ impl<'a> Attn<'a> {
             check_buffer("lse", l)?;
         }
         let lse_desc = lse.map(|l| desc("lse", l)).transpose()?;
+        let on = On::of(q)?;
         self.check(
+            on.on(),
             desc(names[0], q)?,
             desc(names[1], k)?,
             desc(names[2], v)?,
@@ -243,6 +252,7 @@ impl<'a> Attn<'a> {
     #[allow(clippy::too_many_arguments)]
     fn check<R>(
         &self,
+        on: On<'_>,
         q: Desc<'_>,
         k: Desc<'_>,
         v: Desc<'_>,
@@ -262,9 +272,67 @@ impl<'a> Attn<'a> {
             params: self.params,
             return_lse: want_lse,
         };
-        let c = validate(&call, Device::Host, BACKEND, to.as_ref(), tl.as_ref())?;
-        crate::cpu::CpuBackend::new()?.supports(&c.problem(want_lse))?;
+        let c = validate(&call, Device::Host, on.name(), to.as_ref(), tl.as_ref())?;
+        match on {
+            On::Cpu => crate::cpu::CpuBackend::new()?.supports(&c.problem(want_lse))?,
+            #[cfg(feature = "candle-cuda")]
+            On::Cuda(be) => be.supports(&c.problem(want_lse))?,
+            #[cfg(not(feature = "candle-cuda"))]
+            On::Never(_) => {}
+        }
         Ok(f(&c))
+    }
+}
+
+/// The backend a call runs on: where its tensors are.
+#[derive(Clone, Copy)]
+enum On<'b> {
+    Cpu,
+    #[cfg(feature = "candle-cuda")]
+    Cuda(&'b crate::cuda::CudaBackend),
+    #[cfg(not(feature = "candle-cuda"))]
+    #[allow(dead_code)]
+    Never(std::marker::PhantomData<&'b ()>),
+}
+
+impl On<'_> {
+    fn name(&self) -> &'static str {
+        match self {
+            On::Cpu => BACKEND,
+            #[cfg(feature = "candle-cuda")]
+            On::Cuda(_) => "cuda",
+            #[cfg(not(feature = "candle-cuda"))]
+            On::Never(_) => BACKEND,
+        }
+    }
+    /// The backend of `t`'s device (the CUDA backend on candle's stream for a CUDA tensor).
+    fn of(t: &cc::Tensor) -> Result<Holder> {
+        match t.device() {
+            cc::Device::Cpu => Ok(Holder::Cpu),
+            #[cfg(feature = "candle-cuda")]
+            cc::Device::Cuda(d) => Ok(Holder::Cuda(cuda::backend(d)?)),
+            other => Err(Error::Backend {
+                backend: "candle",
+                msg: format!("`q` is on {:?}: no attnkit backend for it in this build", other.location()),
+            }),
+        }
+    }
+}
+
+/// An owned [`On`].
+enum Holder {
+    Cpu,
+    #[cfg(feature = "candle-cuda")]
+    Cuda(std::sync::Arc<crate::cuda::CudaBackend>),
+}
+
+impl Holder {
+    fn on(&self) -> On<'_> {
+        match self {
+            Holder::Cpu => On::Cpu,
+            #[cfg(feature = "candle-cuda")]
+            Holder::Cuda(b) => On::Cuda(b),
+        }
     }
 }
 
@@ -304,17 +372,32 @@ pub fn kit_dtype(arg: &'static str, dtype: cc::DType) -> Result<DType> {
     }
 }
 
-fn check_device(arg: &'static str, t: &cc::Tensor) -> Result<()> {
-    match t.device().location() {
-        DeviceLocation::Cpu => Ok(()),
-        other => Err(Error::Backend {
+/// `t` is on `q`'s device, and on a device this build runs (CPU; CUDA with `candle-cuda`).
+fn check_device(arg: &'static str, t: &cc::Tensor, q: &cc::Tensor) -> Result<()> {
+    let (loc, want) = (t.device().location(), q.device().location());
+    let runs = matches!(loc, DeviceLocation::Cpu)
+        || (cfg!(feature = "candle-cuda") && matches!(loc, DeviceLocation::Cuda { .. }));
+    if !runs {
+        return Err(Error::Backend {
             backend: "candle",
             msg: format!(
-                "`{arg}` is on {other:?}: this build of attnkit's candle glue runs CPU tensors only \
-                 (the CUDA path needs candle-core's `cuda` feature, not built here)"
+                "`{arg}` is on {loc:?}: this build of attnkit's candle glue runs CPU tensors{}",
+                if cfg!(feature = "candle-cuda") {
+                    " and CUDA tensors"
+                } else {
+                    " only (CUDA tensors need the `candle-cuda` feature)"
+                }
             ),
-        }),
+        });
     }
+    if !t.device().same_device(q.device()) {
+        return Err(Error::value(
+            arg,
+            format!("a tensor on {loc:?}"),
+            format!("must be on the device of `q` ({want:?}), the same candle device"),
+        ));
+    }
+    Ok(())
 }
 
 /// Address of the `Storage` behind a tensor: equal for tensors that share one allocation. The
@@ -432,7 +515,7 @@ fn inputs<'s, T: Elem>(names: [&'static str; 3], s: [(&'s CpuStorage, &cc::Layou
 pub struct AttnOp<'a> {
     attn: Attn<'a>,
     want_lse: bool,
-    lse: Mutex<Option<(Vec<f32>, Vec<usize>)>>,
+    lse: Mutex<Option<(cc::Storage, Vec<usize>)>>,
 }
 
 impl<'a> AttnOp<'a> {
@@ -444,10 +527,15 @@ impl<'a> AttnOp<'a> {
     pub fn with_lse(attn: Attn<'a>) -> Self {
         AttnOp { attn, want_lse: true, lse: Mutex::new(None) }
     }
-    /// The lse of the last run (f32, on the CPU), once.
+    /// The lse of the last run (f32, on the device of the inputs), once.
     pub fn take_lse(&self) -> Option<cc::Tensor> {
-        let (v, shape) = self.lse.lock().ok()?.take()?;
-        cc::Tensor::from_vec(v, shape, &cc::Device::Cpu).ok()
+        let (storage, shape) = self.lse.lock().ok()?.take()?;
+        Some(cc::Tensor::from_storage(storage, shape, cc::op::BackpropOp::none(), false))
+    }
+
+    fn keep_lse(&self, storage: cc::Storage, shape: Vec<usize>) -> cc::Result<()> {
+        *self.lse.lock().map_err(|_| cc::Error::Msg("lse slot poisoned".into()))? = Some((storage, shape));
+        Ok(())
     }
 
     fn run<T: Elem>(&self, s: [(&CpuStorage, &cc::Layout); 3]) -> cc::Result<(CpuStorage, Shape)> {
@@ -458,14 +546,14 @@ impl<'a> AttnOp<'a> {
             layout_desc(names[1], s[1].1, s[1].0.dtype())?,
             layout_desc(names[2], s[2].1, s[2].0.dtype())?,
         ];
-        let (out, lse) = self.attn.check(descs[0], descs[1], descs[2], None, None, self.want_lse, |c| {
+        let (out, lse) = self.attn.check(On::Cpu, descs[0], descs[1], descs[2], None, None, self.want_lse, |c| {
             let mut out = vec![T::default(); q.len()];
             let mut lse = self.want_lse.then(|| (vec![0f32; c.hq * c.total_q], c.lse_shape_vec()));
             T::kernel(c, q, k, v, &mut out, lse.as_mut().map(|(l, _)| l.as_mut_slice()));
             (out, lse)
         })?;
-        if let Some(l) = lse {
-            *self.lse.lock().map_err(|_| cc::Error::Msg("lse slot poisoned".into()))? = Some(l);
+        if let Some((l, shape)) = lse {
+            self.keep_lse(cc::Storage::Cpu(CpuStorage::F32(l)), shape)?;
         }
         Ok((T::wrap(out), s[0].1.shape().clone()))
     }
@@ -491,6 +579,18 @@ impl CustomOp3 for AttnOp<'_> {
             cc::DType::BF16 => self.run::<bf16>(s),
             other => Err(Error::value("q", format!("dtype {}", other.as_str()), "must be f32, f16 or bf16").into()),
         }
+    }
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        s1: &candle_core::CudaStorage,
+        l1: &cc::Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &cc::Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &cc::Layout,
+    ) -> cc::Result<(candle_core::CudaStorage, Shape)> {
+        cuda::alloc_fwd(self, [(s1, l1), (s2, l2), (s3, l3)])
     }
 }
 
@@ -529,7 +629,7 @@ impl IntoOp<'_> {
             .get_mut(out_range.clone())
             .ok_or_else(|| cc::Error::Msg(format!("`out`: layout {out_range:?} outside its storage of {out_len}")))?;
         match self.lse {
-            None => self.attn.check(descs[0], descs[1], descs[2], Some(out_desc), None, false, |c| {
+            None => self.attn.check(On::Cpu, descs[0], descs[1], descs[2], Some(out_desc), None, false, |c| {
                 T::kernel(c, q, k, v, out, None);
             })?,
             Some(lse_t) => {
@@ -537,7 +637,7 @@ impl IntoOp<'_> {
                 let attn = self.attn;
                 let stage = LseStage {
                     f: RefCell::new(Some(Box::new(move |lse: &mut [f32]| {
-                        attn.check(descs[0], descs[1], descs[2], Some(out_desc), Some(lse_desc), true, |c| {
+                        attn.check(On::Cpu, descs[0], descs[1], descs[2], Some(out_desc), Some(lse_desc), true, |c| {
                             T::kernel(c, q, k, v, out, Some(lse));
                         })
                         .map_err(cc::Error::wrap)
@@ -572,6 +672,21 @@ impl InplaceOp3 for IntoOp<'_> {
             cc::DType::BF16 => self.run::<bf16>(dst, dl, q, (s2, l2), (s3, l3)),
             other => Err(Error::value("out", format!("dtype {}", other.as_str()), "must be f32, f16 or bf16").into()),
         }
+    }
+    #[cfg(feature = "candle-cuda")]
+    fn cuda_fwd(
+        &self,
+        dst: &mut candle_core::CudaStorage,
+        dl: &cc::Layout,
+        s2: &candle_core::CudaStorage,
+        l2: &cc::Layout,
+        s3: &candle_core::CudaStorage,
+        l3: &cc::Layout,
+    ) -> cc::Result<()> {
+        let cc::Storage::Cuda(q) = self.q else {
+            return Err(cc::Error::Msg("`q` is not on a CUDA device".into()));
+        };
+        cuda::into_fwd(self, dst, dl, [(q, self.q_layout), (s2, l2), (s3, l3)])
     }
 }
 
