@@ -2,6 +2,10 @@
 # Runs a bundle made by scripts/gpu-bundle.sh on a GPU machine. No Rust toolchain needed.
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+# A bundle may carry its binaries as one xz archive (scripts/gpu-bundle.sh, COMPRESS=1).
+if [[ -f $here/bins.tar.xz && ! -d $here/bin ]]; then
+  tar -C "$here" -xJf "$here/bins.tar.xz" || { echo "could not unpack bins.tar.xz"; exit 2; }
+fi
 cmd=${1:-tests}
 shift || true
 echo "attnkit bundle $(cat "$here/COMMIT" 2>/dev/null) on $(hostname): $cmd $*"

@@ -11,6 +11,10 @@
 #   FEATURES=cuda,cli,candle-cuda scripts/gpu-bundle.sh   # also candle on CUDA (nvcc and link stubs
 #                                                     # from scripts/cuda-toolkit.sh), with the Llama example:
 #   bash bundle/run.sh example 10_llama_paged cuda    # there
+#
+# TESTS="candle conformance" picks test binaries (default: all). With candle-cuda every binary
+# carries candle's CUDA kernels (about 36 MB each): the binaries then travel as one xz archive
+# (COMPRESS=1, the default with candle-cuda), which run.sh unpacks on first use.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 FEATURES=${FEATURES:-cuda,wgpu,cli}
@@ -21,7 +25,9 @@ fi
 rm -rf bundle
 mkdir -p bundle/bin bundle/examples
 # Test binaries (one per tests/*.rs and the lib's unit tests), paths read from cargo's JSON messages.
-cargo test --no-run --features "$FEATURES" --message-format=json 2>/dev/null |
+test_args=()
+for t in ${TESTS:-}; do test_args+=(--test "$t"); done
+cargo test --no-run --features "$FEATURES" "${test_args[@]}" --message-format=json 2>/dev/null |
   python3 -c '
 import json, sys, shutil, os
 for line in sys.stdin:
@@ -52,4 +58,10 @@ cp scripts/bundle-run.sh bundle/run.sh
 # Debug info makes the binaries ten times larger than the code; the bundle has to travel.
 strip --strip-debug bundle/bin/* bundle/examples/* 2>/dev/null || true
 git rev-parse --short HEAD > bundle/COMMIT 2>/dev/null || true
+default_compress=0
+[[ ",$FEATURES," == *",candle-cuda,"* ]] && default_compress=1
+if [[ ${COMPRESS:-$default_compress} == 1 ]]; then
+  tar -C bundle -cJf bundle/bins.tar.xz bin examples && rm -rf bundle/bin bundle/examples
+  echo "binaries packed into bundle/bins.tar.xz"
+fi
 du -sh bundle

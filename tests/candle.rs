@@ -265,7 +265,9 @@ fn random_cases_match_the_reference_in_every_layout_and_dtype() -> Res {
 
 fn random_cases(dev: &cc::Device) -> Res {
     let mut counted = [0usize; 3];
+    let t0 = std::time::Instant::now();
     for seed in 0..72u64 {
+        eprintln!("random case {seed} on {dev:?} at {:.1} s", t0.elapsed().as_secs_f64());
         let case = Case::random(seed);
         let (want_out, want_lse) = case.reference()?;
         let mem = [Mem::Contiguous, Mem::Offset, Mem::Strided][(seed as usize / 9) % 3];
@@ -554,16 +556,19 @@ fn llama_matches(dev: &cc::Device) -> Res {
 
 #[test]
 fn threads_sharing_the_inputs_write_their_own_buffers_without_deadlock() -> Res {
+    threads_sharing_inputs(&cc::Device::Cpu)
+}
+
+fn threads_sharing_inputs(dev: &cc::Device) -> Res {
     // Two threads read the same k and v (candle read locks) and write their own outputs and lse
     // (write locks): the lock order of the glue must let both proceed, and each result must be
     // what a lone call gives.
-    let dev = cc::Device::Cpu;
-    let k = cc::Tensor::randn(0f32, 1.0, (40, 2, 32), &dev)?;
-    let v = cc::Tensor::randn(0f32, 1.0, (40, 2, 32), &dev)?;
+    let k = cc::Tensor::randn(0f32, 1.0, (40, 2, 32), dev)?;
+    let v = cc::Tensor::randn(0f32, 1.0, (40, 2, 32), dev)?;
     let (cu_q, cu_k) = ([0, 3, 8], [0, 15, 40]);
     let attn = Attn::varlen(&cu_q, &cu_k).causal(true);
     let qs: Vec<cc::Tensor> =
-        (0..2).map(|_| cc::Tensor::randn(0f32, 1.0, (8, 4, 32), &dev)).collect::<cc::Result<_>>()?;
+        (0..2).map(|_| cc::Tensor::randn(0f32, 1.0, (8, 4, 32), dev)).collect::<cc::Result<_>>()?;
     let want: Vec<(Vec<f64>, Vec<f64>)> = qs
         .iter()
         .map(|q| -> Res<(Vec<f64>, Vec<f64>)> {
@@ -578,9 +583,8 @@ fn threads_sharing_the_inputs_write_their_own_buffers_without_deadlock() -> Res 
             .map(|(q, want)| {
                 let (k, v) = (&k, &v);
                 s.spawn(move || -> std::result::Result<(), String> {
-                    let out =
-                        cc::Tensor::zeros((8, 4, 32), cc::DType::F32, &cc::Device::Cpu).map_err(|e| e.to_string())?;
-                    let lse = cc::Tensor::zeros((4, 8), cc::DType::F32, &cc::Device::Cpu).map_err(|e| e.to_string())?;
+                    let out = cc::Tensor::zeros((8, 4, 32), cc::DType::F32, dev).map_err(|e| e.to_string())?;
+                    let lse = cc::Tensor::zeros((4, 8), cc::DType::F32, dev).map_err(|e| e.to_string())?;
                     for _ in 0..200 {
                         attn.forward_into(q, k, v, &out, Some(&lse)).map_err(|e| e.to_string())?;
                     }
@@ -663,6 +667,7 @@ mod on_cuda {
         cuda_llama_decoder_matches_candle_attention => llama_matches;
         cuda_llama_decoder_in_f16_and_bf16_within_twice_candles_error => llama_low_precision;
         cuda_inputs_on_two_devices_are_a_typed_error => two_devices;
+        cuda_threads_sharing_the_inputs_write_their_own_buffers => threads_sharing_inputs;
     }
 
     #[test]

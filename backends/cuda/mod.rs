@@ -139,6 +139,11 @@ struct State {
     workspace: Option<CudaSlice<f32>>,
 }
 
+/// Kernels loaded so far, by context: a module belongs to a context, not to a stream, so
+/// backends on several streams of one context (a library's per-thread streams) compile and load
+/// each kernel once.
+static SHARED_KERNELS: Mutex<Vec<(usize, KernelKey, Arc<Loaded>)>> = Mutex::new(Vec::new());
+
 /// The `cuda` backend: one device, one stream.
 pub struct CudaBackend {
     ctx: Arc<CudaContext>,
@@ -321,6 +326,14 @@ impl CudaBackend {
         if let Some(l) = map.get(&key) {
             return Ok(l.clone());
         }
+        // Another backend of this context may have loaded it (backends on several streams).
+        let ctx_id = self.ctx.cu_ctx() as usize;
+        let shared = SHARED_KERNELS.lock().map_err(|_| be_err("kernel cache lock poisoned"))?;
+        if let Some((_, _, l)) = shared.iter().find(|(c, k, _)| *c == ctx_id && *k == key) {
+            map.insert(key, l.clone());
+            return Ok(l.clone());
+        }
+        drop(shared);
         let v = &plan.variant(dtype);
         let t0 = std::time::Instant::now();
         let (bin, cached) = nvrtc::cubin(v.family, &v.defines, &self.arch).map_err(be_err)?;
@@ -372,6 +385,9 @@ impl CudaBackend {
         };
         let l = Arc::new(Loaded { funcs, info });
         map.insert(key, l.clone());
+        if let Ok(mut shared) = SHARED_KERNELS.lock() {
+            shared.push((ctx_id, key, l.clone()));
+        }
         Ok(l)
     }
 

@@ -8,8 +8,8 @@ use std::collections::HashMap;
 use std::time::Instant;
 
 use attnkit::candle::{PagedBatch, PagedKvCache};
-use candle_core::{DType, Device, Module, Result, Tensor};
-use candle_nn::{embedding, linear_no_bias, rms_norm, Embedding, Linear, RmsNorm, VarBuilder};
+use candle_core::{DType, Device, Module, Result, Tensor, D};
+use candle_nn::{embedding, linear_no_bias, Embedding, Linear, VarBuilder};
 
 /// Model sizes.
 #[derive(Clone, Copy, Debug)]
@@ -41,6 +41,50 @@ impl Rng {
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^= z >> 31;
         ((z >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+}
+
+/// RMSNorm. candle-nn's fused ops (RMSNorm, RoPE, softmax) have CUDA kernels only with
+/// candle-nn's own `cuda` feature, which attnkit does not turn on (candle-nn is only a
+/// dev-dependency): on a device other than the CPU the model uses their plain-tensor-op forms.
+struct RmsNorm {
+    w: Tensor,
+    eps: f64,
+}
+
+fn rms_norm(h: usize, eps: f64, vb: VarBuilder) -> Result<RmsNorm> {
+    Ok(RmsNorm { w: vb.get(h, "weight")?, eps })
+}
+
+impl RmsNorm {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.device().is_cpu() {
+            candle_nn::ops::rms_norm(&x.contiguous()?, &self.w, self.eps as f32)
+        } else {
+            candle_nn::ops::rms_norm_slow(x, &self.w, self.eps as f32)
+        }
+    }
+}
+
+/// RoPE on `[1, T, H, D]` (halves rotated), as candle-nn's `rope_thd`.
+fn rope_thd(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() {
+        return candle_nn::rotary_emb::rope_thd(x, cos, sin);
+    }
+    let d = x.dim(D::Minus1)?;
+    let (x1, x2) = (x.narrow(D::Minus1, 0, d / 2)?, x.narrow(D::Minus1, d / 2, d / 2)?);
+    let rot = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
+    // cos, sin `[T, D/2]` -> `[1, T, 1, D]`.
+    let full = |c: &Tensor| -> Result<Tensor> { Tensor::cat(&[c, c], D::Minus1)?.unsqueeze(0)?.unsqueeze(2) };
+    x.broadcast_mul(&full(cos)?)? + rot.broadcast_mul(&full(sin)?)?
+}
+
+/// Softmax over the last dimension.
+fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() {
+        candle_nn::ops::softmax_last_dim(x)
+    } else {
+        candle_nn::ops::softmax(x, D::Minus1)
     }
 }
 
@@ -156,7 +200,7 @@ impl Llama {
         let pos = Tensor::new(positions, dev)?;
         let (cos, sin) = (self.cos.index_select(&pos, 0)?, self.sin.index_select(&pos, 0)?);
         let rope = |x: Tensor, heads: usize| -> Result<Tensor> {
-            candle_nn::rotary_emb::rope_thd(&x.reshape((1, t, heads, d))?, &cos, &sin)?.reshape((t, heads, d))
+            rope_thd(&x.reshape((1, t, heads, d))?, &cos, &sin)?.reshape((t, heads, d))
         };
         let mut x = self.embed.forward(&Tensor::new(tokens, dev)?)?;
         for (l, layer) in self.layers.iter().enumerate() {
@@ -297,7 +341,7 @@ impl Engine for CandleEngine {
                 .flat_map(|i| (0..s).map(move |j| if j <= s - n + i { 0.0 } else { f32::NEG_INFINITY }))
                 .collect();
             let mask = Tensor::from_vec(mask, (1, n, s), q.device())?.to_dtype(q.dtype())?;
-            let p = candle_nn::ops::softmax_last_dim(&scores.broadcast_add(&mask)?)?;
+            let p = softmax_last_dim(&scores.broadcast_add(&mask)?)?;
             outs.push(p.matmul(&vr)?.transpose(0, 1)?); // [n, Hq, D]
         }
         let out = Tensor::cat(&outs, 0)?;

@@ -4,6 +4,7 @@
 
 use std::cell::RefCell;
 use std::sync::{Arc, Mutex};
+use std::thread::ThreadId;
 
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::{CudaDevice, CudaStorageSlice, DeviceId};
@@ -15,20 +16,25 @@ use crate::cuda::{CudaBackend, DevicePtrs};
 use crate::error::{Error, Result};
 use crate::validate::Checked;
 
-/// One backend per candle CUDA device, made on first use and kept for the process: it holds the
-/// compiled kernels, the metadata mirror and the split-KV workspace, so a warm call allocates
-/// nothing. It keeps the device's stream (and so its context) alive.
-static BACKENDS: Mutex<Vec<(DeviceId, Arc<CudaBackend>)>> = Mutex::new(Vec::new());
+/// One backend per candle CUDA device and calling thread, made on first use and kept for the
+/// process: it holds the metadata mirror and the split-KV workspace (the compiled kernels are
+/// shared by every backend of a context), so a warm call allocates nothing. Per thread, because
+/// candle's default CUDA device runs on the per-thread default stream: two threads using one
+/// candle device run on two streams, and a backend's metadata and workspace buffers must not be
+/// shared between streams. Each entry keeps its stream (and so the context) alive.
+type Registry = Vec<(DeviceId, ThreadId, Arc<CudaBackend>)>;
+static BACKENDS: Mutex<Registry> = Mutex::new(Vec::new());
 
-/// attnkit's `cuda` backend on `dev`'s stream.
+/// attnkit's `cuda` backend on `dev`'s stream, for this thread.
 pub(super) fn backend(dev: &CudaDevice) -> Result<Arc<CudaBackend>> {
     let poisoned = || Error::Backend { backend: "cuda", msg: "backend registry lock poisoned".into() };
+    let me = std::thread::current().id();
     let mut list = BACKENDS.lock().map_err(|_| poisoned())?;
-    if let Some((_, b)) = list.iter().find(|(id, _)| *id == dev.id()) {
+    if let Some((_, _, b)) = list.iter().find(|(id, t, _)| *id == dev.id() && *t == me) {
         return Ok(b.clone());
     }
     let b = Arc::new(CudaBackend::on_stream(dev.cuda_stream())?);
-    list.push((dev.id(), b.clone()));
+    list.push((dev.id(), me, b.clone()));
     Ok(b)
 }
 
