@@ -118,6 +118,13 @@ fn launch(
     let (q, _gq) = src_ptr(names[0], s[0].0, s[0].1, stream)?;
     let (k, _gk) = src_ptr(names[1], s[1].0, s[1].1, stream)?;
     let (v, _gv) = src_ptr(names[2], s[2].0, s[2].1, stream)?;
+    // The kernels read and write 16-byte vectors; a fault would poison the whole context, so a
+    // misaligned address (which the glue's checks rule out) is an error here, before the launch.
+    for (arg, p, a) in [(names[0], q, 16), (names[1], k, 16), (names[2], v, 16), ("out", out, 16), ("lse", lse, 4)] {
+        if p % a != 0 {
+            return Err(Error::value(arg, format!("device address {p:#x}"), format!("must be {a}-byte aligned")).into());
+        }
+    }
     // SAFETY: `q`, `k`, `v` address the contiguous elements their validated layouts name, inside
     // their candle allocations (checked above), on the context of candle's stream, which is the
     // backend's. `out` and `lse` are allocations the callers own and checked: they share storage

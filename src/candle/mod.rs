@@ -212,6 +212,7 @@ impl<'a> Attn<'a> {
             }
         }
         check_buffer("out", out)?;
+        check_aligned("out", out)?;
         if let Some(l) = lse {
             check_buffer("lse", l)?;
         }
@@ -430,9 +431,35 @@ fn check_buffer(arg: &'static str, t: &cc::Tensor) -> Result<()> {
     ))
 }
 
-/// The tensor itself when contiguous (no copy), else a contiguous copy made by candle.
+/// The tensor itself when contiguous (no copy), else a contiguous copy made by candle. On a GPU
+/// the kernels also read 16-byte vectors, so a contiguous view that starts off a 16-byte boundary
+/// (a `narrow` at an odd row) is copied too.
 fn contiguous(t: &cc::Tensor) -> Result<cc::Tensor> {
-    t.contiguous().map_err(from_candle)
+    let t = t.contiguous().map_err(from_candle)?;
+    if t.device().is_cpu() || misalignment(&t) == 0 {
+        return Ok(t);
+    }
+    t.copy().map_err(from_candle)
+}
+
+/// Bytes by which a tensor's first element sits past a 16-byte boundary (candle's device
+/// allocations are at least 256-byte aligned, so this is its start offset in bytes, mod 16).
+fn misalignment(t: &cc::Tensor) -> usize {
+    t.layout().start_offset() * t.dtype().size_in_bytes() % 16
+}
+
+/// An output buffer on a GPU must start on a 16-byte boundary (the kernels store vectors). Writing
+/// into an aligned copy would not write the caller's buffer, so a misaligned one is refused.
+fn check_aligned(arg: &'static str, t: &cc::Tensor) -> Result<()> {
+    let off = misalignment(t);
+    if t.device().is_cpu() || off == 0 || arg == "lse" {
+        return Ok(());
+    }
+    Err(Error::value(
+        arg,
+        format!("a view starting {off} bytes past a 16-byte boundary"),
+        "a GPU output buffer must start on a 16-byte boundary (a view at a multiple of 16 bytes into its storage)",
+    ))
 }
 
 fn from_candle(e: cc::Error) -> Error {
