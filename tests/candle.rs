@@ -64,6 +64,11 @@ enum Mem {
 /// A candle tensor of `shape` holding exactly `data` (already rounded to `dtype`), laid out as `mem`.
 fn to_candle(data: &[f64], shape: &[usize], dtype: DType, mem: Mem, dev: &cc::Device) -> cc::Result<cc::Tensor> {
     let t = cc::Tensor::from_vec(data.to_vec(), shape, &cc::Device::Cpu)?.to_dtype(cdt(dtype))?.to_device(dev)?;
+    if t.elem_count() == 0 && !dev.is_cpu() {
+        // candle 0.11 cannot fill an empty CUDA tensor (`Tensor::full` launches an empty grid and
+        // gets CUDA_ERROR_INVALID_VALUE); an empty tensor has no layout to vary anyway.
+        return Ok(t);
+    }
     match mem {
         Mem::Contiguous => Ok(t),
         Mem::Offset => {
