@@ -37,7 +37,8 @@
 //! | `cpu` (default) | `cpu` | host, tiled online softmax, rayon |
 //! | `wgpu` | `wgpu` | any GPU through WGSL |
 //! | `cuda` | `cuda` | NVIDIA GPUs, kernels compiled at run time by NVRTC |
-//! | `candle` | glue for `candle_core::Tensor` | |
+//! | `candle` | glue for `candle_core::Tensor` | CPU tensors, on the `cpu` backend |
+//! | `candle-cuda` | the glue for CUDA tensors (candle-core's `cuda`: nvcc at build time) | CUDA tensors, on the `cuda` backend on candle's stream |
 //! | `cli` | the `attnkit` command | |
 //!
 //! The contract (layouts, masks, tolerances, errors) is in `SPEC.md` terms: see [`AttnCall`].
