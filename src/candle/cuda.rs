@@ -52,26 +52,32 @@ fn elem_bytes(arg: &'static str, s: &CudaStorageSlice) -> cc::Result<(usize, usi
     }
 }
 
-/// The device address of the elements `l` names in `s` (contiguous, inside the allocation), with
-/// the guard that orders the read on `stream`.
+/// Byte offset of the elements `l` names in `s` (contiguous, inside the allocation).
+fn byte_offset(arg: &'static str, s: &CudaStorageSlice, l: &cc::Layout) -> cc::Result<u64> {
+    let r = range(arg, l)?;
+    let (size, len) = elem_bytes(arg, s)?;
+    if r.end > len {
+        return Err(cc::Error::Msg(format!("`{arg}`: layout {r:?} outside its storage of {len}")));
+    }
+    Ok((r.start * size) as u64)
+}
+
+/// The device address of the elements `l` names in `s`, with the guard that orders the read on
+/// `stream`.
 fn src_ptr<'a>(
     arg: &'static str,
     s: &'a CudaStorage,
     l: &cc::Layout,
     stream: &'a CudaStream,
 ) -> cc::Result<(u64, SyncOnDrop<'a>)> {
-    let r = range(arg, l)?;
-    let (size, len) = elem_bytes(arg, &s.slice)?;
-    if r.end > len {
-        return Err(cc::Error::Msg(format!("`{arg}`: layout {r:?} outside its storage of {len}")));
-    }
+    let off = byte_offset(arg, &s.slice, l)?;
     let (base, guard) = match &s.slice {
         CudaStorageSlice::F32(x) => x.device_ptr(stream),
         CudaStorageSlice::F16(x) => x.device_ptr(stream),
         CudaStorageSlice::BF16(x) => x.device_ptr(stream),
         _ => unreachable!("elem_bytes admitted f32, f16, bf16 only"),
     };
-    Ok((base + (r.start * size) as u64, guard))
+    Ok((base + off, guard))
 }
 
 /// As [`src_ptr`], for a destination.
@@ -81,18 +87,14 @@ fn dst_ptr<'a>(
     l: &cc::Layout,
     stream: &'a CudaStream,
 ) -> cc::Result<(u64, SyncOnDrop<'a>)> {
-    let r = range(arg, l)?;
-    let (size, len) = elem_bytes(arg, &s.slice)?;
-    if r.end > len {
-        return Err(cc::Error::Msg(format!("`{arg}`: layout {r:?} outside its storage of {len}")));
-    }
+    let off = byte_offset(arg, &s.slice, l)?;
     let (base, guard) = match &mut s.slice {
         CudaStorageSlice::F32(x) => x.device_ptr_mut(stream),
         CudaStorageSlice::F16(x) => x.device_ptr_mut(stream),
         CudaStorageSlice::BF16(x) => x.device_ptr_mut(stream),
         _ => unreachable!("elem_bytes admitted f32, f16, bf16 only"),
     };
-    Ok((base + (r.start * size) as u64, guard))
+    Ok((base + off, guard))
 }
 
 type Srcs<'s> = [(&'s CudaStorage, &'s cc::Layout); 3];
