@@ -649,12 +649,14 @@ fn llama_low_precision(dev: &cc::Device) -> Res {
 /// `cuda` backend on candle's stream. Without a GPU these fail unless `ATTNKIT_SKIP` names cuda,
 /// and then they say so loudly.
 #[cfg(feature = "candle-cuda")]
+mod common;
+
+#[cfg(feature = "candle-cuda")]
 mod on_cuda {
     use super::*;
 
     fn dev() -> Option<cc::Device> {
-        let skip = std::env::var("ATTNKIT_SKIP").unwrap_or_default();
-        if skip.split(',').any(|s| s.trim() == "cuda") {
+        if common::skipped("cuda") {
             eprintln!("!!! SKIPPED: candle CUDA test, ATTNKIT_SKIP names cuda (no GPU here); this is not a pass");
             return None;
         }

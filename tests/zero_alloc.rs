@@ -13,6 +13,9 @@ use std::sync::Mutex;
 
 use attnkit::{AttentionBackend, AttnCall, DType, LayoutKind, Params, Tensor};
 
+#[cfg(feature = "cuda")]
+mod common;
+
 struct Counting;
 
 static COUNTING: AtomicBool = AtomicBool::new(false);
@@ -415,18 +418,6 @@ fn the_counter_sees_an_allocating_forward() {
     assert!(trace.is_some_and(|t| t.contains("first allocation")), "no backtrace was recorded");
 }
 
-/// The cuda backend, or `None` (said loudly) when `ATTNKIT_SKIP` names it; with no device and no
-/// skip the test fails.
-#[cfg(feature = "cuda")]
-fn cuda() -> Option<Box<dyn AttentionBackend>> {
-    let skip = std::env::var("ATTNKIT_SKIP").unwrap_or_default();
-    if skip.split(',').any(|s| s.trim() == "cuda") {
-        eprintln!("!!! SKIPPED: cuda zero-allocation test, ATTNKIT_SKIP names cuda; this is not a pass");
-        return None;
-    }
-    Some(attnkit::by_name("cuda").expect("no CUDA device, and ATTNKIT_SKIP does not name cuda"))
-}
-
 /// Dense, varlen and paged (the metadata mirror), split-KV decode (the workspace), every dtype:
 /// once warm, a call with caller buffers allocates nothing on the host, so a serving loop can
 /// run it forever (and capture it in a CUDA graph).
@@ -434,7 +425,7 @@ fn cuda() -> Option<Box<dyn AttentionBackend>> {
 #[test]
 fn cuda_forward_with_caller_buffers_allocates_nothing() {
     let _g = LOCK.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(be) = cuda() else { return };
+    let Some(be) = common::backend("cuda") else { return };
     let report = allocations_in_forward_on(&*be, false);
     assert!(report.is_empty(), "cuda forward allocated with caller buffers:\n{}", report.join("\n"));
 }

@@ -27,15 +27,20 @@ pub fn backend(name: &str) -> Option<Arc<dyn AttentionBackend>> {
         }
         Err(Error::NotCompiled { .. }) => None,
         Err(e) => {
-            let skip = std::env::var(SKIP_VAR).unwrap_or_default();
-            if skip.split(',').any(|s| s.trim() == name || s.trim() == "all") {
-                eprintln!("!!! SKIPPING backend `{name}` because {SKIP_VAR}={skip}: {e}");
+            if skipped(name) {
+                eprintln!("!!! SKIPPING backend `{name}` because {SKIP_VAR} names it: {e}");
                 None
             } else {
                 panic!("backend `{name}` is compiled in but cannot run: {e}\n(set {SKIP_VAR}={name} to skip it explicitly)");
             }
         }
     }
+}
+
+/// Whether `ATTNKIT_SKIP` names backend `name` (or `all`).
+pub fn skipped(name: &str) -> bool {
+    let skip = std::env::var(SKIP_VAR).unwrap_or_default();
+    skip.split(',').any(|s| s.trim() == name || s.trim() == "all")
 }
 
 /// splitmix64: deterministic data from a seed, no extra crates.
