@@ -92,6 +92,11 @@ fn to_candle(data: &[f64], shape: &[usize], dtype: DType, mem: Mem, dev: &cc::De
 }
 
 fn to_f64(t: &cc::Tensor) -> cc::Result<Vec<f64>> {
+    if t.elem_count() == 0 {
+        // candle 0.11's CUDA `to_dtype` launches an empty grid on an empty tensor and gets
+        // CUDA_ERROR_INVALID_VALUE: there is nothing to read.
+        return Ok(Vec::new());
+    }
     t.to_dtype(cc::DType::F64)?.flatten_all()?.to_vec1::<f64>()
 }
 
