@@ -13,7 +13,14 @@
 // Macros: ATTN_DTYPE (1 f16, 2 bf16), DPAD (32, 64, 128, 192 or 256; d <= DPAD, the rest of the
 // row is zero-filled), BM, BN, NW (kernel traits chosen on the host, see kernel.rs), POST (1 when
 // the call has a softcap or ALiBi slopes: a separate variant, so the common path carries no
-// branch or register for them).
+// branch or register for them), WG (1: Hopper warpgroup MMAs, sm_90a).
+//
+// WG variant: each warpgroup (4 warps) owns 64 rows and runs S = Q K^T as wgmma with both
+// operands in shared memory and O += P V as wgmma with P in registers (the accumulator layout of
+// S is the A-fragment layout, as with mma.sync). Shared tiles then use the 128-byte swizzle
+// wgmma reads: [DPAD / 64 column blocks][rows][64 elements], 16-byte chunk c of row r stored at
+// chunk c ^ (r & 7), tiles 1024-byte aligned. Everything else (loads, masks, softmax, epilogue)
+// is the same code as the mma.sync variant.
 
 #define NT (NW * 32)
 #define MT (BM / (16 * NW))
@@ -27,6 +34,12 @@
 #endif
 #ifndef MINB
 #define MINB 1
+#endif
+#ifndef WG
+#define WG 0
+#endif
+#if WG && (NW % 4 != 0 || BM != 16 * NW || DPAD < 64 || (BN != 64 && BN != 128))
+#error "WG tiles: whole warpgroups, 16 rows per warp, DPAD >= 64, BN 64 or 128"
 #endif
 
 #if ATTN_DTYPE == 1
@@ -43,6 +56,13 @@ __device__ __forceinline__ int swz(int row, int c) {
 #endif
 }
 __device__ __forceinline__ u32 tile_addr(u32 base, int row, int c) { return base + (u32)(row * NCH + swz(row, c)) * 16u; }
+// Address of 16-byte chunk c of row `row` in a tile of `rows` rows.
+#if WG
+#define TADDR(base, rows, row, c) \
+    ((base) + (u32)(((c) >> 3) * (rows) + (row)) * 128u + (u32)((((c) & 7) ^ ((row) & 7)) << 4))
+#else
+#define TADDR(base, rows, row, c) tile_addr(base, row, c)
+#endif
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, bool valid) {
     const int n = valid ? 16 : 0;
@@ -79,7 +99,13 @@ __device__ __forceinline__ float ex2(float x) {
 extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams p) {
     extern __shared__ unsigned char smem_raw[];
     __shared__ int s_lo, s_hi;
+#if WG
+    // wgmma's swizzle is on absolute address bits: tiles start on 1024-byte boundaries (the
+    // host adds 1 KiB of dynamic shared memory for this).
+    const u32 sQ = (smem_u32(smem_raw) + 1023u) & ~1023u;
+#else
     const u32 sQ = smem_u32(smem_raw);
+#endif
     const u32 sK = sQ + BM * DPAD * 2;
     const u32 sV = sK + 2 * BN * DPAD * 2;
     const u32 stage_bytes = BN * DPAD * 2;
@@ -108,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams
             const int i = m / p.group, h = kvh * p.group + m % p.group;
             src = qg + (i64)(s.q_start + i) * p.q_stride + (i64)h * d + c * 8;
         }
-        cp_async16(tile_addr(sQ, row, c), src, ok);
+        cp_async16(TADDR(sQ, BM, row, c), src, ok);
     }
 
     if (tid == 0) {
@@ -183,8 +209,8 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams
                 const bool ok = lc_ok && t < s.k_len;
                 i64 off = 0;
                 if (ok) off = kv_row(p, b, s, t) * p.kv_stride + col_off;
-                cp_async16(tile_addr(dk, row, lc), kg + off, ok);
-                cp_async16(tile_addr(dv, row, lc), vg + off, ok);
+                cp_async16(TADDR(dk, BN, row, lc), kg + off, ok);
+                cp_async16(TADDR(dv, BN, row, lc), vg + off, ok);
             }
         };
 #else
@@ -196,8 +222,8 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams
                 const bool ok = t < s.k_len && c < dch;
                 i64 off = 0;
                 if (ok) off = kv_row(p, b, s, t) * p.kv_stride + (i64)kvh * d + c * 8;
-                cp_async16(tile_addr(sK + st * stage_bytes, row, c), kg + off, ok);
-                cp_async16(tile_addr(sV + st * stage_bytes, row, c), vg + off, ok);
+                cp_async16(TADDR(sK + st * stage_bytes, BN, row, c), kg + off, ok);
+                cp_async16(TADDR(sV + st * stage_bytes, BN, row, c), vg + off, ok);
             }
         };
 #endif
@@ -212,10 +238,32 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams
             } else {
                 cp_async_wait<0>();
             }
+#if WG
+            // The tiles were written through the generic proxy; wgmma reads them through the
+            // async proxy.
+            asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
             __syncthreads();
             const u32 kbase = sK + st * stage_bytes, vbase = sV + st * stage_bytes;
 
             float S[MT][NTN][4];
+#if WG
+            {
+                // This warpgroup's 64 rows of Q; K-major operands step 32 bytes (16 elements)
+                // inside a swizzled 128-byte row, then to the next 64-column block.
+                const u32 qbase = sQ + (u32)(warp >> 2) * 64u * 128u;
+                wg_fence();
+#pragma unroll
+                for (int ks = 0; ks < KSTEPS; ++ks) {
+                    const u32 qo = (u32)(ks >> 2) * BM * 128u + (u32)(ks & 3) * 32u;
+                    const u32 ko = (u32)(ks >> 2) * BN * 128u + (u32)(ks & 3) * 32u;
+                    WGMMA_SS(&S[0][0][0], wg_desc(qbase + qo, 16, 1024), wg_desc(kbase + ko, 16, 1024), ks > 0);
+                }
+                wg_commit();
+                wg_wait0();
+                wg_fence_regs<NTN * 4>(&S[0][0][0]);
+            }
+#else
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -239,6 +287,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams
                     }
                 }
             }
+#endif
 
             const int n0 = nb * BN;
             const bool need = n0 < t_lo_max || n0 + BN > t_hi_min;
@@ -314,6 +363,28 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams
                     }
             }
 
+#if WG
+            // V is the N-major B operand: 16 keys (two 8-row groups, 1024 bytes apart) per step,
+            // 64-column blocks BN * 128 bytes apart.
+            // P is packed whole before the first MMA: registers written between asynchronous
+            // MMAs would make the compiler wait for the ones in flight.
+            u32 P[BN / 16][4];
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk) {
+                P[kk][0] = pack2(S[0][2 * kk][0], S[0][2 * kk][1]);
+                P[kk][1] = pack2(S[0][2 * kk][2], S[0][2 * kk][3]);
+                P[kk][2] = pack2(S[0][2 * kk + 1][0], S[0][2 * kk + 1][1]);
+                P[kk][3] = pack2(S[0][2 * kk + 1][2], S[0][2 * kk + 1][3]);
+            }
+            wg_fence_regs<NTD * 4>(&O[0][0][0]);
+            wg_fence();
+#pragma unroll
+            for (int kk = 0; kk < BN / 16; ++kk)
+                WGMMA_RS(&O[0][0][0], P[kk][0], P[kk][1], P[kk][2], P[kk][3], wg_desc(vbase + (u32)kk * 2048u, BN * 128u, 1024), 1);
+            wg_commit();
+            wg_wait0();
+            wg_fence_regs<NTD * 4>(&O[0][0][0]);
+#else
 #pragma unroll
             for (int kk = 0; kk < BN / 16; ++kk) {
                 u32 a[MT][4];
@@ -336,6 +407,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams
                     }
                 }
             }
+#endif
             __syncthreads();
         }
     } else {

@@ -171,7 +171,9 @@ fn bench_standard_shapes() {
     decode(&be, 64, 32, 8, 4096);
     decode(&be, 16, 32, 8, 4096);
     decode(&be, 1, 32, 8, 65536);
-    if sweep {
+    // ATTNKIT_BENCH_DECODE_SWEEP=0 leaves the decode part of the sweep out.
+    let decode_sweep = std::env::var("ATTNKIT_BENCH_DECODE_SWEEP").map(|v| v != "0").unwrap_or(true);
+    if sweep && decode_sweep {
         for (key, val) in [("ATTNKIT_CUDA_GQA", "off"), ("ATTNKIT_CUDA_GQA_BN", "16"), ("ATTNKIT_CUDA_GQA_BN", "64")] {
             std::env::set_var(key, val);
             println!("{key}={val}");
@@ -190,16 +192,27 @@ fn bench_standard_shapes() {
             decode(&be, 1, 32, 8, 65536);
         }
         std::env::remove_var("ATTNKIT_CUDA_SPLIT_TARGET");
-        // BM,BN,NW,MINB: rows per CTA, keys per tile, warps, CTAs per SM the registers must fit.
-        // ATTNKIT_BENCH_TILES=0 leaves this part out.
+    }
+    if sweep {
+        // BM,BN,NW,MINB,WG: rows per CTA, keys per tile, warps, CTAs per SM the registers must
+        // fit, and 1 for Hopper's warpgroup MMAs (0: mma.sync). ATTNKIT_BENCH_TILES=0 leaves
+        // this part out.
         let tiles_on = std::env::var("ATTNKIT_BENCH_TILES").map(|v| v != "0").unwrap_or(true);
         for (d, tiles) in [
             (
                 128,
-                &["128,64,4,1", "128,32,4,1", "128,64,8,1", "128,64,8,2", "64,64,4,2", "192,64,12,1", "128,128,8,1"][..],
+                &[
+                    "128,64,4,1,0",
+                    "128,64,8,1,1",
+                    "128,128,8,1,1",
+                    "64,64,4,2,1",
+                    "64,128,4,1,1",
+                    "192,64,12,1,1",
+                    "128,64,8,2,1",
+                ][..],
             ),
-            (64, &["128,64,4,1", "64,64,4,2", "128,64,8,2", "128,128,8,1"][..]),
-            (256, &["128,64,8,1", "64,64,4,1", "128,32,8,1", "64,32,4,2"][..]),
+            (64, &["128,64,4,1,0", "128,64,8,1,1", "128,128,8,1,1", "64,64,4,2,1", "64,128,4,2,1", "128,64,8,2,1"][..]),
+            (256, &["128,64,8,1,0", "128,64,8,1,1", "64,64,4,1,1", "64,64,4,2,1"][..]),
         ] {
             for t in tiles.iter().filter(|_| tiles_on) {
                 for causal in [false, true] {

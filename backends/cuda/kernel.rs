@@ -62,6 +62,11 @@ pub struct Variant {
 }
 
 impl Variant {
+    /// Whether this variant can be built for `arch` (`sm_80`): the Hopper variants (`WG=1`)
+    /// only for sm_90.
+    pub fn runs_on(&self, arch: &str) -> bool {
+        !self.defines.contains(&("WG", 1)) || arch == "sm_90"
+    }
     /// A stable name for caches and reports: `attn_mma[ATTN_DTYPE=2,DPAD=128,...]`.
     pub fn key(&self) -> String {
         let d: Vec<String> = self.defines.iter().map(|(k, v)| format!("{k}={v}")).collect();
@@ -94,12 +99,20 @@ pub struct MmaTraits {
     /// Whether the call needs the score transform (softcap, ALiBi, or a scale that is not
     /// positive): a separate variant, so the common path carries none of it.
     pub post: bool,
+    /// Hopper warpgroup MMAs (`wgmma`, sm_90a) instead of `mma.sync`: whole warpgroups of 64
+    /// rows (`bm == 16 * nw`, `nw` a multiple of 4), `dpad >= 64`, `bn` 64 or 128.
+    pub wg: bool,
 }
 
 impl MmaTraits {
-    /// Dynamic shared memory: Q tile plus two stages of K and V.
+    /// Dynamic shared memory: Q tile plus two stages of K and V (and 1 KiB to align the tiles
+    /// of the Hopper variant to the 1024-byte swizzle atoms).
     pub fn smem_bytes(&self) -> usize {
-        (self.bm + 4 * self.bn) * self.dpad * 2
+        (self.bm + 4 * self.bn) * self.dpad * 2 + if self.wg { 1024 } else { 0 }
+    }
+    /// Whether these traits describe a valid Hopper (`wg`) tile.
+    pub fn wg_ok(&self) -> bool {
+        self.nw.is_multiple_of(4) && self.bm == 16 * self.nw && self.dpad >= 64 && matches!(self.bn, 64 | 128)
     }
 }
 
@@ -114,35 +127,50 @@ pub fn mma_dpad(d: usize) -> usize {
     }
 }
 
-/// Kernel traits per padded head dim, for a call with (`post`) or without the score transform.
-/// `ATTNKIT_CUDA_TILE=BM,BN,NW[,MINB]` overrides them (for tuning).
+/// Kernel traits per padded head dim, for a call with (`post`) or without the score transform,
+/// on a Hopper GPU (`hopper`: sm_90, where the warpgroup-MMA variant runs) or not.
+/// `ATTNKIT_CUDA_TILE=BM,BN,NW[,MINB[,WG]]` overrides them (for tuning); `ATTNKIT_CUDA_WGMMA=off`
+/// keeps Hopper on `mma.sync`.
 ///
-/// The defaults and the measurements that chose them are in docs/PERF_NOTES.md (cuda, v2).
-pub fn mma_traits(d: usize, post: bool) -> MmaTraits {
+/// The defaults and the measurements that chose them are in docs/PERF_NOTES.md (cuda, v2, v4).
+pub fn mma_traits(d: usize, post: bool, hopper: bool) -> MmaTraits {
     let dpad = mma_dpad(d);
     if let Ok(s) = std::env::var("ATTNKIT_CUDA_TILE") {
         let v: Vec<usize> = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
-        let (bm, bn, nw, minb) = match v[..] {
-            [bm, bn, nw] => (bm, bn, nw, 1),
-            [bm, bn, nw, minb] => (bm, bn, nw, minb),
-            _ => (0, 0, 0, 0),
+        let (bm, bn, nw, minb, wg) = match v[..] {
+            [bm, bn, nw] => (bm, bn, nw, 1, 0),
+            [bm, bn, nw, minb] => (bm, bn, nw, minb, 0),
+            [bm, bn, nw, minb, wg] => (bm, bn, nw, minb, wg),
+            _ => (0, 0, 0, 0, 0),
         };
-        if bm > 0 && nw > 0 && bm % (16 * nw) == 0 && bn > 0 && bn % 16 == 0 && (1..=4).contains(&minb) {
-            return MmaTraits { dpad, bm, bn, nw, minb, post };
+        let t = MmaTraits { dpad, bm, bn, nw, minb, post, wg: wg == 1 && hopper };
+        if bm > 0
+            && nw > 0
+            && bm % (16 * nw) == 0
+            && bn > 0
+            && bn % 16 == 0
+            && (1..=4).contains(&minb)
+            && (!t.wg || t.wg_ok())
+        {
+            return t;
         }
+    }
+    let wg_on = std::env::var("ATTNKIT_CUDA_WGMMA").map(|v| v != "off").unwrap_or(true);
+    if hopper && wg_on && dpad >= 64 {
+        return MmaTraits { dpad, bm: 128, bn: 64, nw: 8, minb: 1, post, wg: true };
     }
     let (bm, bn, nw, minb) = match dpad {
         32 | 64 | 128 => (128, 64, 4, 1),
         _ => (128, 64, 8, 1),
     };
-    MmaTraits { dpad, bm, bn, nw, minb, post }
+    MmaTraits { dpad, bm, bn, nw, minb, post, wg: false }
 }
 
 /// A kernel variant as a `Copy` value (see [`Plan::kernel_key`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KernelKey {
     family: Family,
-    vals: [i64; 7],
+    vals: [i64; 8],
 }
 
 /// Which kernel runs a call, and how.
@@ -196,6 +224,7 @@ impl Plan {
                     ("NW", t.nw as i64),
                     ("MINB", t.minb as i64),
                     ("POST", t.post as i64),
+                    ("WG", t.wg as i64),
                 ],
             },
         }
@@ -205,11 +234,12 @@ impl Plan {
     pub fn kernel_key(&self, dtype: DType) -> KernelKey {
         let dt = dtype_code(dtype);
         let (family, vals) = match *self {
-            Plan::Simt { dmax } => (Family::Simt, [dt, dmax as i64, 0, 0, 0, 0, 0]),
-            Plan::Decode { lpk, rmax, .. } => (Family::Decode, [dt, lpk as i64, rmax as i64, 0, 0, 0, 0]),
-            Plan::Mma { t, .. } => {
-                (Family::Mma, [dt, t.dpad as i64, t.bm as i64, t.bn as i64, t.nw as i64, t.minb as i64, t.post as i64])
-            }
+            Plan::Simt { dmax } => (Family::Simt, [dt, dmax as i64, 0, 0, 0, 0, 0, 0]),
+            Plan::Decode { lpk, rmax, .. } => (Family::Decode, [dt, lpk as i64, rmax as i64, 0, 0, 0, 0, 0]),
+            Plan::Mma { t, .. } => (
+                Family::Mma,
+                [dt, t.dpad as i64, t.bm as i64, t.bn as i64, t.nw as i64, t.minb as i64, t.post as i64, t.wg as i64],
+            ),
         };
         KernelKey { family, vals }
     }
@@ -240,7 +270,7 @@ fn simt_dmax(d: usize) -> usize {
 /// ATTNKIT_CUDA_GQA_BN overrides the key count (for tuning).
 pub fn gqa_decode_traits(d: usize, post: bool) -> MmaTraits {
     let bn = std::env::var("ATTNKIT_CUDA_GQA_BN").ok().and_then(|s| s.parse().ok()).filter(|b| b % 16 == 0 && *b > 0);
-    MmaTraits { dpad: mma_dpad(d), bm: 16, bn: bn.unwrap_or(32), nw: 1, minb: 1, post }
+    MmaTraits { dpad: mma_dpad(d), bm: 16, bn: bn.unwrap_or(32), nw: 1, minb: 1, post, wg: false }
 }
 
 /// Query heads per kv head from which decode runs on the tensor cores (`gqa_decode_traits`)
@@ -263,8 +293,9 @@ fn split_count(ctas: usize, max_k: usize, sms: usize, mult: usize) -> usize {
 /// Choose the kernel: decode when every kv head has at most [`DECODE_MAX_ROWS`] query rows
 /// (on the tensor cores for f16/bf16 with a GQA group of at least [`GQA_MMA_MIN_GROUP`]), else
 /// the tensor cores for f16/bf16, else CUDA cores. `force` picks `simt`, `mma` or `decode` where
-/// that kernel can run the call; `splits` forces the split count of the split-KV kernels.
-pub fn plan(c: &Checked<'_>, sms: usize, force: Option<&str>, splits: Option<usize>) -> Plan {
+/// that kernel can run the call; `splits` forces the split count of the split-KV kernels;
+/// `hopper` (an sm_90 device) lets prefill use the warpgroup-MMA variant.
+pub fn plan(c: &Checked<'_>, sms: usize, hopper: bool, force: Option<&str>, splits: Option<usize>) -> Plan {
     let rows = c.max_q * c.group();
     let decode_ok = rows <= DECODE_MAX_ROWS;
     let mma_ok = matches!(c.dtype, DType::F16 | DType::BF16);
@@ -286,7 +317,7 @@ pub fn plan(c: &Checked<'_>, sms: usize, force: Option<&str>, splits: Option<usi
             let splits = splits.unwrap_or_else(|| split_count(ctas, c.max_k, sms, 8));
             Plan::Mma { t, splits }
         } else {
-            Plan::Mma { t: mma_traits(c.d, post), splits: splits.unwrap_or(1) }
+            Plan::Mma { t: mma_traits(c.d, post, hopper), splits: splits.unwrap_or(1) }
         }
     };
     match force {
@@ -308,7 +339,8 @@ pub fn plan(c: &Checked<'_>, sms: usize, force: Option<&str>, splits: Option<usi
 }
 
 /// Every kernel variant the backend can launch for head dims `8..=256` (multiples of 8), with
-/// the default kernel traits: what CI compiles.
+/// the default kernel traits, on Hopper and elsewhere: what CI compiles (the Hopper variants
+/// only for sm_90, see [`Variant::runs_on`]).
 pub fn all_variants() -> Vec<Variant> {
     let mut v = Vec::new();
     for dt in [DType::F32, DType::F16, DType::BF16] {
@@ -323,7 +355,10 @@ pub fn all_variants() -> Vec<Variant> {
         if dt != DType::F32 {
             for dpad in [32, 64, 128, 192, 256] {
                 for post in [false, true] {
-                    v.push(Plan::Mma { t: mma_traits(dpad, post), splits: 1 }.variant(dt));
+                    v.push(Plan::Mma { t: mma_traits(dpad, post, false), splits: 1 }.variant(dt));
+                    if dpad >= 64 {
+                        v.push(Plan::Mma { t: mma_traits(dpad, post, true), splits: 1 }.variant(dt));
+                    }
                     v.push(Plan::Mma { t: gqa_decode_traits(dpad, post), splits: 1 }.variant(dt));
                 }
             }

@@ -274,7 +274,7 @@ impl CudaBackend {
 
     /// The kernel plan of a validated call.
     pub fn plan(&self, c: &Checked<'_>) -> Plan {
-        kernel::plan(c, self.sms, self.force.as_deref(), self.splits)
+        kernel::plan(c, self.sms, self.arch == "sm_90", self.force.as_deref(), self.splits)
     }
 
     /// Bytes of split-KV workspace a call needs (0 for most prefill calls). The backend keeps
@@ -357,7 +357,9 @@ impl CudaBackend {
             }
             Family::Mma => {
                 let g = |k: &str| v.defines.iter().find(|d| d.0 == k).map(|d| d.1 as usize).unwrap_or(0);
-                MmaTraits { dpad: g("DPAD"), bm: g("BM"), bn: g("BN"), nw: g("NW"), minb: 1, post: false }.smem_bytes()
+                let wg = g("WG") == 1;
+                MmaTraits { dpad: g("DPAD"), bm: g("BM"), bn: g("BN"), nw: g("NW"), minb: 1, post: false, wg }
+                    .smem_bytes()
             }
             Family::Decode => 0,
         };

@@ -13,7 +13,12 @@ const SIMT: &str = include_str!("../../kernels/attn_simt.cu");
 // Both split-KV kernels carry the combine kernel that merges their partials.
 const DECODE: &str =
     concat!(include_str!("../../kernels/attn_decode.cu"), include_str!("../../kernels/attn_combine.cuh"));
-const MMA: &str = concat!(include_str!("../../kernels/attn_mma.cu"), include_str!("../../kernels/attn_combine.cuh"));
+// The tensor-core kernel's Hopper variant (WG=1) takes its wgmma wrappers from wgmma.cuh.
+const MMA: &str = concat!(
+    include_str!("../../kernels/wgmma.cuh"),
+    include_str!("../../kernels/attn_mma.cu"),
+    include_str!("../../kernels/attn_combine.cuh")
+);
 
 /// The kernel sources, by family.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -103,7 +108,18 @@ pub fn compile(family: Family, defines: &[(&str, i64)], arch: &str) -> Result<Ve
     compile_src(&src, family.file(), &opts)
 }
 
+/// The architecture a variant compiles for: Hopper's warpgroup MMAs (`WG=1`) need the
+/// architecture-specific target `sm_90a`.
+pub fn target_arch(defines: &[(&str, i64)], arch: &str) -> String {
+    if arch == "sm_90" && defines.contains(&("WG", 1)) {
+        "sm_90a".to_string()
+    } else {
+        arch.to_string()
+    }
+}
+
 fn options(defines: &[(&str, i64)], arch: &str) -> Vec<String> {
+    let arch = target_arch(defines, arch);
     let mut o = vec![format!("--gpu-architecture={arch}"), "-std=c++17".to_string()];
     o.extend(defines.iter().map(|(k, v)| format!("-D{k}={v}")));
     o
