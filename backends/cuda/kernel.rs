@@ -157,7 +157,13 @@ pub fn mma_traits(d: usize, post: bool, hopper: bool) -> MmaTraits {
     }
     let wg_on = std::env::var("ATTNKIT_CUDA_WGMMA").map(|v| v != "off").unwrap_or(true);
     if hopper && wg_on && dpad >= 64 {
-        return MmaTraits { dpad, bm: 128, bn: 64, nw: 8, minb: 1, post, wg: true };
+        // Two warpgroups of 64 rows, 64-key tiles. At d 128 the registers are capped so that
+        // two CTAs share an SM (128 registers, 24 bytes of spills): 473 TFLOP/s where one CTA
+        // per SM (155 registers) reached 316 on an H200; d 64 fits two CTAs uncapped (107
+        // registers), and d 192 / 256 need one SM's shared memory per CTA anyway. The softcap /
+        // ALiBi variant would spill 96 bytes under the cap: it keeps one CTA per SM (not timed).
+        let minb = if dpad == 128 && !post { 2 } else { 1 };
+        return MmaTraits { dpad, bm: 128, bn: 64, nw: 8, minb, post, wg: true };
     }
     let (bm, bn, nw, minb) = match dpad {
         32 | 64 | 128 => (128, 64, 4, 1),
