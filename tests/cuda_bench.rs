@@ -193,6 +193,23 @@ fn bench_standard_shapes() {
         }
         std::env::remove_var("ATTNKIT_CUDA_SPLIT_TARGET");
     }
+    // ATTNKIT_BENCH_GQA_TILES="BM,BN,NW,MINB,WG;..." times GQA decode with other tiles (and
+    // ATTNKIT_BENCH_SPLITS="2,4,8" with other split targets).
+    if let Ok(list) = std::env::var("ATTNKIT_BENCH_GQA_TILES") {
+        let splits = std::env::var("ATTNKIT_BENCH_SPLITS").unwrap_or_else(|_| "8".into());
+        for tile in list.split(';').filter(|t| !t.is_empty()) {
+            for mult in splits.split(',') {
+                std::env::set_var("ATTNKIT_CUDA_GQA_TILE", tile);
+                std::env::set_var("ATTNKIT_CUDA_SPLIT_TARGET", mult);
+                println!("GQA tile {tile}, split target {mult} x SMs");
+                decode(&be, 64, 32, 8, 4096);
+                decode(&be, 16, 32, 8, 4096);
+                decode(&be, 1, 32, 8, 65536);
+            }
+        }
+        std::env::remove_var("ATTNKIT_CUDA_GQA_TILE");
+        std::env::remove_var("ATTNKIT_CUDA_SPLIT_TARGET");
+    }
     if sweep {
         // BM,BN,NW,MINB,WG: rows per CTA, keys per tile, warps, CTAs per SM the registers must
         // fit, and 1 for Hopper's warpgroup MMAs (0: mma.sync). ATTNKIT_BENCH_TILES=0 leaves

@@ -273,10 +273,22 @@ fn simt_dmax(d: usize) -> usize {
 /// the heads of a group), K/V streamed through shared memory and read once for the group.
 /// 32 keys per tile (37 KiB of shared memory at d 128, so six CTAs per SM): on an H200 it read
 /// 3.36 TB/s where 64 keys read 1.77 and 128 keys 0.52 (docs/PERF_NOTES.md, cuda v2).
-/// ATTNKIT_CUDA_GQA_BN overrides the key count (for tuning).
-pub fn gqa_decode_traits(d: usize, post: bool) -> MmaTraits {
+/// ATTNKIT_CUDA_GQA_BN overrides the key count, and on Hopper (`hopper`)
+/// `ATTNKIT_CUDA_GQA_TILE=BM,BN,NW,MINB,WG` the whole tile (for tuning).
+pub fn gqa_decode_traits(d: usize, post: bool, hopper: bool) -> MmaTraits {
+    let dpad = mma_dpad(d);
+    if let Ok(s) = std::env::var("ATTNKIT_CUDA_GQA_TILE") {
+        let v: Vec<usize> = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        if let [bm, bn, nw, minb, wg] = v[..] {
+            let t = MmaTraits { dpad, bm, bn, nw, minb, post, wg: wg == 1 && hopper };
+            let shape_ok = nw > 0 && bm % (16 * nw) == 0 && bn > 0 && bn % 16 == 0 && (1..=4).contains(&minb);
+            if shape_ok && (!t.wg || t.wg_ok()) {
+                return t;
+            }
+        }
+    }
     let bn = std::env::var("ATTNKIT_CUDA_GQA_BN").ok().and_then(|s| s.parse().ok()).filter(|b| b % 16 == 0 && *b > 0);
-    MmaTraits { dpad: mma_dpad(d), bm: 16, bn: bn.unwrap_or(32), nw: 1, minb: 1, post, wg: false }
+    MmaTraits { dpad, bm: 16, bn: bn.unwrap_or(32), nw: 1, minb: 1, post, wg: false }
 }
 
 /// Query heads per kv head from which decode runs on the tensor cores (`gqa_decode_traits`)
@@ -318,7 +330,7 @@ pub fn plan(c: &Checked<'_>, sms: usize, hopper: bool, force: Option<&str>, spli
         if decode_ok {
             // One-warp CTAs, three per SM by shared memory: aim at about eight per SM so that
             // the last wave is short.
-            let t = gqa_decode_traits(c.d, post);
+            let t = gqa_decode_traits(c.d, post, hopper);
             let ctas = c.batch * c.hkv * rows.div_ceil(t.bm);
             let splits = splits.unwrap_or_else(|| split_count(ctas, c.max_k, sms, 8));
             Plan::Mma { t, splits }
@@ -365,7 +377,7 @@ pub fn all_variants() -> Vec<Variant> {
                     if dpad >= 64 {
                         v.push(Plan::Mma { t: mma_traits(dpad, post, true), splits: 1 }.variant(dt));
                     }
-                    v.push(Plan::Mma { t: gqa_decode_traits(dpad, post), splits: 1 }.variant(dt));
+                    v.push(Plan::Mma { t: gqa_decode_traits(dpad, post, false), splits: 1 }.variant(dt));
                 }
             }
         }
