@@ -201,29 +201,51 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams
         auto load_kv = [&](int nb, int st) {
             const int n0 = nb * BN;
             const u32 dk = sK + st * stage_bytes, dv = sV + st * stage_bytes;
+            // Every row's address first, then every copy: a paged row's address is a load from
+            // the block table, and issuing them all before the first copy overlaps their
+            // latencies (row by row, each copy waited for its own lookup). Row indices fit in 31
+            // bits (the host refuses larger k/v).
+            int rows[ITERS];
+#pragma unroll
+            for (int it = 0; it < ITERS; ++it) {
+                const int t = n0 + lr0 + it * RS;
+                rows[it] = lc_ok && t < s.k_len && lr0 + it * RS < BN ? (int)kv_row(p, b, s, t) : -1;
+            }
 #pragma unroll
             for (int it = 0; it < ITERS; ++it) {
                 const int row = lr0 + it * RS;
                 if (ITERS * RS > BN && row >= BN) break;
-                const int t = n0 + row;
-                const bool ok = lc_ok && t < s.k_len;
-                i64 off = 0;
-                if (ok) off = kv_row(p, b, s, t) * p.kv_stride + col_off;
+                const bool ok = rows[it] >= 0;
+                const i64 off = ok ? (i64)rows[it] * p.kv_stride + col_off : 0;
                 cp_async16(TADDR(dk, BN, row, lc), kg + off, ok);
                 cp_async16(TADDR(dv, BN, row, lc), vg + off, ok);
             }
         };
 #else
+        // As above (row addresses first, then the copies), with a row and column per copy, in
+        // groups of 8 copies so that the addresses held stay few.
+        constexpr int GITERS = (BN * NCH + NT - 1) / NT;
         auto load_kv = [&](int nb, int st) {
             const int n0 = nb * BN;
-            for (int idx = tid; idx < BN * NCH; idx += NT) {
-                const int row = idx / NCH, c = idx % NCH;
-                const int t = n0 + row;
-                const bool ok = t < s.k_len && c < dch;
-                i64 off = 0;
-                if (ok) off = kv_row(p, b, s, t) * p.kv_stride + (i64)kvh * d + c * 8;
-                cp_async16(TADDR(sK + st * stage_bytes, BN, row, c), kg + off, ok);
-                cp_async16(TADDR(sV + st * stage_bytes, BN, row, c), vg + off, ok);
+#pragma unroll
+            for (int g0 = 0; g0 < GITERS; g0 += 8) {
+                int rows[8];
+#pragma unroll
+                for (int it = 0; it < 8; ++it) {
+                    const int idx = tid + (g0 + it) * NT, row = idx / NCH, c = idx % NCH;
+                    const int t = n0 + row;
+                    const bool in = g0 + it < GITERS && idx < BN * NCH;
+                    rows[it] = in && t < s.k_len && c < dch ? (int)kv_row(p, b, s, t) : -1;
+                }
+#pragma unroll
+                for (int it = 0; it < 8; ++it) {
+                    const int idx = tid + (g0 + it) * NT, row = idx / NCH, c = idx % NCH;
+                    if (g0 + it >= GITERS || idx >= BN * NCH) break;
+                    const bool ok = rows[it] >= 0;
+                    const i64 off = ok ? (i64)rows[it] * p.kv_stride + (i64)kvh * d + c * 8 : 0;
+                    cp_async16(TADDR(sK + st * stage_bytes, BN, row, c), kg + off, ok);
+                    cp_async16(TADDR(sV + st * stage_bytes, BN, row, c), vg + off, ok);
+                }
             }
         };
 #endif

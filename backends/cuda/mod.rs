@@ -629,6 +629,15 @@ impl CudaBackend {
         if c.batch > 65535 || c.hq > 65535 {
             return Err(be_err(format!("batch {} or heads {} above the grid limit 65535", c.batch, c.hq)));
         }
+        // The kernels index k/v rows (tokens, or cache slots) with 31 bits.
+        let kv_rows = match call.layout {
+            Layout::Dense => c.batch * c.dense_sk,
+            Layout::Varlen { cu_seqlens_k, .. } => cu_seqlens_k.last().map_or(0, |&n| n.max(0) as usize),
+            Layout::Paged { .. } => c.num_blocks * c.block_size,
+        };
+        if kv_rows > i32::MAX as usize {
+            return Err(be_err(format!("k/v hold {kv_rows} rows, above the kernels' limit {}", i32::MAX)));
+        }
         let plan = self.plan(c);
         let loaded = self.kernel(&plan, c.dtype)?;
         self.ctx.bind_to_thread().map_err(be_err)?;
