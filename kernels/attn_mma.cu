@@ -203,13 +203,30 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams
             const u32 dk = sK + st * stage_bytes, dv = sV + st * stage_bytes;
             // Every row's address first, then every copy: a paged row's address is a load from
             // the block table, and issuing them all before the first copy overlaps their
-            // latencies (row by row, each copy waited for its own lookup). Row indices fit in 31
-            // bits (the host refuses larger k/v).
+            // latencies (row by row, each copy waited for its own lookup). The layout test is
+            // uniform, so it stays outside the rows. Row indices fit in 31 bits (the host
+            // refuses larger k/v); -1 marks a row past the keys (zero-filled).
             int rows[ITERS];
+            if (p.layout == 2 && p.bs_shift >= 0) {
+                const int* bt = p.block_table + (i64)b * p.max_blocks;
+                const int sh = p.bs_shift, msk = p.block_size - 1;
 #pragma unroll
-            for (int it = 0; it < ITERS; ++it) {
-                const int t = n0 + lr0 + it * RS;
-                rows[it] = lc_ok && t < s.k_len && lr0 + it * RS < BN ? (int)kv_row(p, b, s, t) : -1;
+                for (int it = 0; it < ITERS; ++it) {
+                    const int t = n0 + lr0 + it * RS;
+                    rows[it] = lc_ok && t < s.k_len && lr0 + it * RS < BN ? (bt[t >> sh] << sh) | (t & msk) : -1;
+                }
+            } else if (p.layout == 2) {
+#pragma unroll
+                for (int it = 0; it < ITERS; ++it) {
+                    const int t = n0 + lr0 + it * RS;
+                    rows[it] = lc_ok && t < s.k_len && lr0 + it * RS < BN ? (int)kv_row(p, b, s, t) : -1;
+                }
+            } else {
+#pragma unroll
+                for (int it = 0; it < ITERS; ++it) {
+                    const int t = n0 + lr0 + it * RS;
+                    rows[it] = lc_ok && t < s.k_len && lr0 + it * RS < BN ? s.k_start + t : -1;
+                }
             }
 #pragma unroll
             for (int it = 0; it < ITERS; ++it) {
