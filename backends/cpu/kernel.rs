@@ -38,6 +38,10 @@ const BK: usize = 64;
 const ROWS: usize = 64;
 /// Largest lane count of any instruction set, for padding.
 const MAX_LANES: usize = 16;
+/// At most this many rows per kv head (decode: one position times a GQA group of up to 4), q·kᵀ
+/// runs as dot products along D straight from the cache rows ([`dot_rows`]) instead of the
+/// rows-in-lanes tile, which would leave most lanes empty; k is then never packed.
+const DIRECT_ROWS: usize = 4;
 
 /// An input element: widened to f32 when packed, narrowed when the output row is written.
 pub(crate) trait Element: Copy + Send + Sync + 'static {
@@ -172,6 +176,8 @@ impl Buf {
 #[derive(Default)]
 struct Scratch {
     qt: Buf,
+    /// q rows, scaled, one after another (`DIRECT_ROWS` per kv head): the decode path.
+    qr: Buf,
     s: Buf,
     kp: Buf,
     vp: Buf,
@@ -203,6 +209,7 @@ impl Scratch {
         let dp = plan.dp;
         for (b, n) in [
             (&mut self.qt, c.d * ra),
+            (&mut self.qr, plan.nh * DIRECT_ROWS * dp),
             (&mut self.s, BK * rp),
             (&mut self.kp, BK * dp),
             (&mut self.vp, BK * dp),
@@ -456,6 +463,45 @@ unsafe fn qk<S: Simd, const MK: usize, const NR: usize>(
     }
 }
 
+/// `s[r] = q[r]·k` for the `R` rows of `q` (rows `dp` apart, scaled), lanes `R..LANES` of `s` zero.
+///
+/// # Safety
+/// `S` is present; `q` holds `R` rows of `dp >= d`; `k` holds `d` elements; `s` holds `S::LANES`.
+#[inline(always)]
+unsafe fn dot_rows<S: Simd, T: Element, const R: usize>(q: *const f32, dp: usize, k: *const T, d: usize, s: *mut f32) {
+    let l = S::LANES;
+    // SAFETY: every offset is below `d` for k and below `R * dp` for q; `s` as promised.
+    unsafe {
+        // Two accumulators per row: the FMA chains are half as long.
+        let mut acc = [[S::zero(); 2]; R];
+        let mut x = 0;
+        while x + 2 * l <= d {
+            let (k0, k1) = (T::load::<S>(k.add(x)), T::load::<S>(k.add(x + l)));
+            for (r, a) in acc.iter_mut().enumerate() {
+                a[0] = S::fma(k0, S::load(q.add(r * dp + x)), a[0]);
+                a[1] = S::fma(k1, S::load(q.add(r * dp + x + l)), a[1]);
+            }
+            x += 2 * l;
+        }
+        if x + l <= d {
+            let k0 = T::load::<S>(k.add(x));
+            for (r, a) in acc.iter_mut().enumerate() {
+                a[0] = S::fma(k0, S::load(q.add(r * dp + x)), a[0]);
+            }
+            x += l;
+        }
+        let mut out = [0.0f32; MAX_LANES];
+        for (r, a) in acc.iter().enumerate() {
+            let mut v = S::reduce_add(S::add(a[0], a[1]));
+            for y in x..d {
+                v += (*k.add(y)).to_f32() * *q.add(r * dp + y);
+            }
+            out[r] = v;
+        }
+        S::store(s, S::load(out.as_ptr()));
+    }
+}
+
 /// `o[r0..r0 + MR][d0..d0 + NR*L] += sum over j in ja..jb of p[j][r] * v[j][..]`.
 ///
 /// # Safety
@@ -585,8 +631,10 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
     // Fast path: q carries scale * log2(e), so s is already in log2 units.
     let qscale = if slow { 1.0 } else { c.scale * log2e };
 
-    let Scratch { qt, s, kp, vp, o, row, m, l, alpha, af, ef, slope, ia, lo, hi, a, e } = sc;
+    let Scratch { qt, qr, s, kp, vp, o, row, m, l, alpha, af, ef, slope, ia, lo, hi, a, e } = sc;
     let qt = qt.get(d * ra);
+    let direct = rows <= DIRECT_ROWS;
+    let qr = qr.get(if direct { rw.nkh * DIRECT_ROWS * dp } else { 0 });
     let s = s.get(BK * rp);
     let kp = kp.get(BK * dp);
     let vp = vp.get(BK * dp);
@@ -629,6 +677,10 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
                 unsafe { pack_row::<S, T>(src, d, row) };
                 for (y, &z) in row[..d].iter().enumerate() {
                     qt[y * rp + r] = z * qscale;
+                }
+                if direct {
+                    let qd = &mut qr[(x * DIRECT_ROWS + r) * dp..][..d];
+                    qd.iter_mut().zip(&row[..d]).for_each(|(w, &z)| *w = z * qscale);
                 }
             } else {
                 for y in 0..d {
@@ -681,18 +733,53 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
             let (m, l) = (&mut m[x * rp..(x + 1) * rp], &mut l[x * rp..(x + 1) * rp]);
             let (alpha, slope) = (&mut alpha[x * rp..(x + 1) * rp], &slope[x * rp..(x + 1) * rp]);
 
-            // Pack the tile once for all rows of this kv head.
-            for jj in ua..ue {
-                let kr = (c.k_row(t.b, seq, j0 + jj) * hkv + kh) * d;
-                // SAFETY: `S` is present.
-                unsafe {
-                    pack_row::<S, T>(&ctx.k[kr..kr + d], d, &mut kp[jj * dp..(jj + 1) * dp]);
-                    pack_row::<S, T>(&ctx.v[kr..kr + d], d, &mut vp[jj * dp..(jj + 1) * dp]);
+            if direct {
+                // Decode: s = q·k per key straight from the cache row, v packed for p·v, and the
+                // same key of the next tile asked for (spread over the tile, as below).
+                let qx = &qr[x * DIRECT_ROWS * dp..(x + 1) * DIRECT_ROWS * dp];
+                for jj in ua..ue {
+                    let kr = (c.k_row(t.b, seq, j0 + jj) * hkv + kh) * d;
+                    let jn = j0 + BK + jj;
+                    if jn < ke {
+                        let nr = (c.k_row(t.b, seq, jn) * hkv + kh) * d;
+                        let (pk, pv) =
+                            (ctx.k[nr..nr + d].as_ptr() as *const u8, ctx.v[nr..nr + d].as_ptr() as *const u8);
+                        for y in (0..d * std::mem::size_of::<T>()).step_by(64) {
+                            // SAFETY: a prefetch never faults; the addresses stay inside the rows.
+                            unsafe {
+                                S::prefetch(pk.add(y));
+                                S::prefetch(pv.add(y));
+                            }
+                        }
+                    }
+                    // SAFETY: `S` is present; qx holds `rows` rows of `dp >= d`; the k row has `d`
+                    // elements; row jj of `s` has rp == LANES elements (rows <= 4).
+                    unsafe {
+                        let (qp, kp, sp) = (qx.as_ptr(), ctx.k[kr..kr + d].as_ptr(), s.as_mut_ptr().add(jj * rp));
+                        match rows {
+                            1 => dot_rows::<S, T, 1>(qp, dp, kp, d, sp),
+                            2 => dot_rows::<S, T, 2>(qp, dp, kp, d, sp),
+                            3 => dot_rows::<S, T, 3>(qp, dp, kp, d, sp),
+                            _ => dot_rows::<S, T, 4>(qp, dp, kp, d, sp),
+                        }
+                        pack_row::<S, T>(&ctx.v[kr..kr + d], d, &mut vp[jj * dp..(jj + 1) * dp]);
+                    }
+                }
+            } else {
+                // Pack the tile once for all rows of this kv head.
+                for jj in ua..ue {
+                    let kr = (c.k_row(t.b, seq, j0 + jj) * hkv + kh) * d;
+                    // SAFETY: `S` is present.
+                    unsafe {
+                        pack_row::<S, T>(&ctx.k[kr..kr + d], d, &mut kp[jj * dp..(jj + 1) * dp]);
+                        pack_row::<S, T>(&ctx.v[kr..kr + d], d, &mut vp[jj * dp..(jj + 1) * dp]);
+                    }
                 }
             }
 
-            // s = k·qᵀ, per chunk of rows over the keys those rows see, MR keys at a time.
-            let mut r0 = 0;
+            // s = k·qᵀ, per chunk of rows over the keys those rows see, MR keys at a time (the
+            // direct path has them already).
+            let mut r0 = if direct { rp } else { 0 };
             while r0 < rp {
                 let nr = if r0 + 2 * lanes <= rp { 2 } else { 1 };
                 let rr = r0..r0 + nr * lanes;

@@ -39,6 +39,14 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     unsafe fn mask_range(t: Self::V, j: f32, a: Self::V, e: Self::V) -> Self::V;
     /// -inf lanes become 0.
     unsafe fn neg_inf_to_zero(x: Self::V) -> Self::V;
+    /// The sum of the lanes.
+    #[inline(always)]
+    unsafe fn reduce_add(x: Self::V) -> f32 {
+        let mut a = [0.0f32; 16];
+        // SAFETY: `a` holds 16 >= LANES f32; the instruction set is the caller's promise.
+        unsafe { Self::store(a.as_mut_ptr(), x) };
+        a[..Self::LANES].iter().sum()
+    }
     /// Hint that the cache line at `p` is read soon (never faults). Into L2, not L1: a tile ahead is
     /// 256 KiB in decode, and L2 misses have more slots in flight than L1 misses.
     #[inline(always)]
@@ -137,6 +145,10 @@ mod x86 {
         unsafe fn neg_inf_to_zero(x: __m512) -> __m512 {
             let k = _mm512_cmp_ps_mask::<_CMP_EQ_OQ>(x, _mm512_set1_ps(f32::NEG_INFINITY));
             _mm512_mask_blend_ps(k, x, _mm512_setzero_ps())
+        }
+        #[inline(always)]
+        unsafe fn reduce_add(x: __m512) -> f32 {
+            _mm512_reduce_add_ps(x)
         }
     }
 
