@@ -114,6 +114,34 @@ impl MmaTraits {
     pub fn wg_ok(&self) -> bool {
         self.nw.is_multiple_of(4) && self.bm == 16 * self.nw && self.dpad >= 64 && matches!(self.bn, 64 | 128)
     }
+    /// Whether the kernel can be built with these traits: whole 16-row slices per warp, 16-key
+    /// steps, a register cap it accepts, and a valid Hopper tile where `wg`.
+    fn valid(&self) -> bool {
+        let (bm, bn, nw) = (self.bm, self.bn, self.nw);
+        bm > 0
+            && nw > 0
+            && bm.is_multiple_of(16 * nw)
+            && bn > 0
+            && bn.is_multiple_of(16)
+            && (1..=4).contains(&self.minb)
+            && (!self.wg || self.wg_ok())
+    }
+}
+
+/// A tile override from the environment variable `var`: `BM,BN,NW,MINB,WG`, or with `short` also
+/// `BM,BN,NW` and `BM,BN,NW,MINB` (MINB 1, WG 0). The Hopper flag holds only on Hopper; an
+/// invalid tile is ignored.
+fn tile_from_env(var: &str, short: bool, dpad: usize, post: bool, hopper: bool) -> Option<MmaTraits> {
+    let s = std::env::var(var).ok()?;
+    let v: Vec<usize> = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+    let (bm, bn, nw, minb, wg) = match v[..] {
+        [bm, bn, nw] if short => (bm, bn, nw, 1, 0),
+        [bm, bn, nw, minb] if short => (bm, bn, nw, minb, 0),
+        [bm, bn, nw, minb, wg] => (bm, bn, nw, minb, wg),
+        _ => return None,
+    };
+    let t = MmaTraits { dpad, bm, bn, nw, minb, post, wg: wg == 1 && hopper };
+    t.valid().then_some(t)
 }
 
 /// Padded head dim of the tensor-core kernel for `d` (a multiple of 8).
@@ -135,25 +163,8 @@ pub fn mma_dpad(d: usize) -> usize {
 /// The defaults and the measurements that chose them are in docs/PERF_NOTES.md (cuda, v2, v4).
 pub fn mma_traits(d: usize, post: bool, hopper: bool) -> MmaTraits {
     let dpad = mma_dpad(d);
-    if let Ok(s) = std::env::var("ATTNKIT_CUDA_TILE") {
-        let v: Vec<usize> = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
-        let (bm, bn, nw, minb, wg) = match v[..] {
-            [bm, bn, nw] => (bm, bn, nw, 1, 0),
-            [bm, bn, nw, minb] => (bm, bn, nw, minb, 0),
-            [bm, bn, nw, minb, wg] => (bm, bn, nw, minb, wg),
-            _ => (0, 0, 0, 0, 0),
-        };
-        let t = MmaTraits { dpad, bm, bn, nw, minb, post, wg: wg == 1 && hopper };
-        if bm > 0
-            && nw > 0
-            && bm % (16 * nw) == 0
-            && bn > 0
-            && bn % 16 == 0
-            && (1..=4).contains(&minb)
-            && (!t.wg || t.wg_ok())
-        {
-            return t;
-        }
+    if let Some(t) = tile_from_env("ATTNKIT_CUDA_TILE", true, dpad, post, hopper) {
+        return t;
     }
     let wg_on = std::env::var("ATTNKIT_CUDA_WGMMA").map(|v| v != "off").unwrap_or(true);
     if hopper && wg_on && dpad >= 64 {
@@ -277,15 +288,8 @@ fn simt_dmax(d: usize) -> usize {
 /// `ATTNKIT_CUDA_GQA_TILE=BM,BN,NW,MINB,WG` the whole tile (for tuning).
 pub fn gqa_decode_traits(d: usize, post: bool, hopper: bool) -> MmaTraits {
     let dpad = mma_dpad(d);
-    if let Ok(s) = std::env::var("ATTNKIT_CUDA_GQA_TILE") {
-        let v: Vec<usize> = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
-        if let [bm, bn, nw, minb, wg] = v[..] {
-            let t = MmaTraits { dpad, bm, bn, nw, minb, post, wg: wg == 1 && hopper };
-            let shape_ok = nw > 0 && bm % (16 * nw) == 0 && bn > 0 && bn % 16 == 0 && (1..=4).contains(&minb);
-            if shape_ok && (!t.wg || t.wg_ok()) {
-                return t;
-            }
-        }
+    if let Some(t) = tile_from_env("ATTNKIT_CUDA_GQA_TILE", false, dpad, post, hopper) {
+        return t;
     }
     let bn = std::env::var("ATTNKIT_CUDA_GQA_BN").ok().and_then(|s| s.parse().ok()).filter(|b| b % 16 == 0 && *b > 0);
     MmaTraits { dpad, bm: 16, bn: bn.unwrap_or(32), nw: 1, minb: 1, post, wg: false }
