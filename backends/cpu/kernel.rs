@@ -463,6 +463,20 @@ unsafe fn qk<S: Simd, const MK: usize, const NR: usize>(
     }
 }
 
+/// Ask for the k and v rows of `d` elements at element `at` (into L2, see [`Simd::prefetch`]).
+#[inline(always)]
+fn prefetch_kv<S: Simd, T: Element>(ctx: &Ctx<'_, T>, at: usize) {
+    let d = ctx.c.d;
+    let (pk, pv) = (ctx.k[at..at + d].as_ptr() as *const u8, ctx.v[at..at + d].as_ptr() as *const u8);
+    for y in (0..d * std::mem::size_of::<T>()).step_by(64) {
+        // SAFETY: a prefetch never faults; the addresses stay inside the rows.
+        unsafe {
+            S::prefetch(pk.add(y));
+            S::prefetch(pv.add(y));
+        }
+    }
+}
+
 /// `s[r] = q[r]·k` for the `R` rows of `q` (rows `dp` apart, scaled), lanes `R..LANES` of `s` zero.
 ///
 /// # Safety
@@ -675,14 +689,16 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
                 let src = &ctx.q[((seq.q_start + i) * hq + h) * d..][..d];
                 // SAFETY: `S` is present (the caller's promise).
                 unsafe { pack_row::<S, T>(src, d, row) };
-                for (y, &z) in row[..d].iter().enumerate() {
-                    qt[y * rp + r] = z * qscale;
-                }
                 if direct {
+                    // The direct path reads q by rows; the transposed tile is never used.
                     let qd = &mut qr[(x * DIRECT_ROWS + r) * dp..][..d];
                     qd.iter_mut().zip(&row[..d]).for_each(|(w, &z)| *w = z * qscale);
+                } else {
+                    for (y, &z) in row[..d].iter().enumerate() {
+                        qt[y * rp + r] = z * qscale;
+                    }
                 }
-            } else {
+            } else if !direct {
                 for y in 0..d {
                     qt[y * rp + r] = 0.0;
                 }
@@ -741,16 +757,7 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
                     let kr = (c.k_row(t.b, seq, j0 + jj) * hkv + kh) * d;
                     let jn = j0 + BK + jj;
                     if jn < ke {
-                        let nr = (c.k_row(t.b, seq, jn) * hkv + kh) * d;
-                        let (pk, pv) =
-                            (ctx.k[nr..nr + d].as_ptr() as *const u8, ctx.v[nr..nr + d].as_ptr() as *const u8);
-                        for y in (0..d * std::mem::size_of::<T>()).step_by(64) {
-                            // SAFETY: a prefetch never faults; the addresses stay inside the rows.
-                            unsafe {
-                                S::prefetch(pk.add(y));
-                                S::prefetch(pv.add(y));
-                            }
-                        }
+                        prefetch_kv::<S, T>(ctx, (c.k_row(t.b, seq, jn) * hkv + kh) * d);
                     }
                     // SAFETY: `S` is present; qx holds `rows` rows of `dp >= d`; the k row has `d`
                     // elements; row jj of `s` has rp == LANES elements (rows <= 4).
@@ -795,16 +802,7 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
                         // prefetchers miss, and a burst of them at pack time overflows the queue.
                         if r0 == 0 {
                             for jn in j0 + BK + j..(j0 + BK + j + mk).min(ke) {
-                                let kr = (c.k_row(t.b, seq, jn) * hkv + kh) * d;
-                                let pk = ctx.k[kr..kr + d].as_ptr() as *const u8;
-                                let pv = ctx.v[kr..kr + d].as_ptr() as *const u8;
-                                for y in (0..d * std::mem::size_of::<T>()).step_by(64) {
-                                    // SAFETY: a prefetch never faults; the addresses stay inside the rows.
-                                    unsafe {
-                                        S::prefetch(pk.add(y));
-                                        S::prefetch(pv.add(y));
-                                    }
-                                }
+                                prefetch_kv::<S, T>(ctx, (c.k_row(t.b, seq, jn) * hkv + kh) * d);
                             }
                         }
                         // SAFETY: j + MR <= BK rows of kp and s; r0 + nr * LANES <= rp.
