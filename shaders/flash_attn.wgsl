@@ -1,34 +1,44 @@
-// Tiled flash attention (portable path: plain f32 arithmetic, no subgroup operations).
+// Split-KV flash attention for short-query calls (decode, small chunked prefill); portable path:
+// plain f32 arithmetic, no subgroup operations. flash_attn_mt.wgsl serves longer queries.
 //
-// One workgroup owns BQ rows of one kv head (this variant serves short-query calls, down to one
-// row: decode; flash_attn_mt.wgsl serves the rest). A row is a (query, query head of the group) pair,
-// so GQA/MQA heads that share a kv head share every K/V tile loaded into workgroup memory.
-// K/V tiles of BK keys are streamed through workgroup memory; each row keeps its online-softmax
-// state (running max m, running sum l, unnormalised output o) in registers. R threads serve a
-// row: each computes BK/R of the row's scores, and owns every R-th vec4 column of its output.
-// Tiles outside the union of the rows' visible key intervals are never loaded.
+// One workgroup owns BQ rows of one kv head and one chunk of its keys. A row is a (query, query
+// head of the group) pair, so GQA/MQA heads that share a kv head share every K/V load. Per tile
+// of BK keys:
+//   1. the K tile is copied, as the raw words it is stored in, into workgroup memory (coalesced),
+//      and each thread issues the loads of the V elements it will need, into registers, so that
+//      both are in flight together;
+//   2. score phase: thread j computes the scores of key j for all BQ rows, from the K row and the
+//      Q tile in workgroup memory, and applies scale, softcap, ALiBi and the masks;
+//   3. value phase: the threads form NKS key slots of D/4 threads; thread (c, slot) owns vec4
+//      column c of every row's output and keys slot, slot + NKS, ...; each slot keeps its own
+//      online-softmax state (running max, sum, unnormalised output) in registers.
+// Two barriers a tile (the score buffer is double-buffered). At the end the slots are merged in
+// workgroup memory. No workgroup array is read before it is written.
 //
-// Split-KV: with `num_splits > 1` a workgroup handles one chunk of the key range and writes
-// its normalised partial output and partial lse; `combine.wgsl` merges them.
+// Split-KV: with `num_splits > 1` a workgroup handles one chunk of the key range and writes its
+// normalised partial output and partial lse; `combine.wgsl` merges them.
 //
 // The host specialises the lines marked `@spec` (head dim, dtype, tile sizes) before compiling.
 
 const D: u32 = 128u; // @spec head dim, a multiple of 4
 const DT: u32 = 0u; // @spec storage dtype: 0 f32, 1 f16 (two per u32), 2 bf16 (two per u32)
-const BQ: u32 = 16u; // @spec rows per workgroup
-const BK: u32 = 32u; // @spec keys per tile
-const R: u32 = 4u; // @spec threads per row
+const BQ: u32 = 1u; // @spec rows per workgroup
+const BK: u32 = 64u; // @spec keys per tile, a multiple of NKS
+const NKS: u32 = 4u; // @spec key slots of the value phase
 
-const WG: u32 = BQ * R;
 const D4: u32 = D / 4u;
-const NV: u32 = (D4 + R - 1u) / R;
-const NS: u32 = (BK + R - 1u) / R; // scores per thread per tile
-// Row strides of the Q and K tiles, padded by one vec4 so that the rows a warp reads at once
-// fall in different banks.
-const QS: u32 = D4 + 1u;
+const WG: u32 = D4 * NKS;
+const KPS: u32 = BK / NKS; // keys per slot per tile
+// 8-byte words per vec4 column, and per K row.
+const WPC: u32 = select(1u, 2u, DT == 0u);
+const KW: u32 = D4 * WPC;
+// Row stride of the K tile in words, padded by one so that the rows the threads of a warp read
+// at once fall in different banks.
+const KWS: u32 = KW + 1u;
 // A finite "minus infinity": WGSL implementations may assume finite math, so the running max
 // starts here, fully masked rows are detected by l == 0, and true -inf is only ever stored.
 const NEG: f32 = -3.0e38;
+const MASKED: f32 = -3.3e38; // below NEG: a score no row may use
 
 // Header words of `md` (the metadata buffer) (the host writes them in the same order).
 const M_BATCH: u32 = 0u;
@@ -64,10 +74,14 @@ const M_OFF_ALIBI: u32 = 20u;
 @group(0) @binding(6) var<storage, read_write> part_o: array<vec4<f32>>;
 @group(0) @binding(7) var<storage, read_write> part_lse: array<f32>;
 
-var<workgroup> qs: array<vec4<f32>, BQ * QS>;
-var<workgroup> ks: array<vec4<f32>, BK * QS>;
-var<workgroup> vs: array<vec4<f32>, BK * D4>;
-var<workgroup> ss: array<f32, BQ * BK>;
+// Q rows (written before the first tile), then the buffer in which the slots are merged.
+var<workgroup> qs: array<vec4<f32>, BQ * D4>;
+var<workgroup> ks: array<vec2<u32>, BK * KWS>;
+var<workgroup> sc: array<f32, 2u * BQ * BK>;
+// Per row: visible [lo, hi), aligned query position, ALiBi slope bits.
+var<workgroup> rinfo: array<vec4<i32>, BQ>;
+// Per (slot, row): running max and sum at the end.
+var<workgroup> ml: array<vec2<f32>, NKS * BQ>;
 
 fn bf16x2(w: u32) -> vec2<f32> {
     return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xffff0000u));
@@ -82,42 +96,33 @@ fn to_bf16(x: f32) -> u32 {
     return (b + 0x7fffu + ((b >> 16u) & 1u)) >> 16u;
 }
 
-// Four elements starting at element `e` (a multiple of 4) of a packed buffer.
-fn unpack4(w0: u32, w1: u32, w2: u32, w3: u32) -> vec4<f32> {
-    return vec4<f32>(bitcast<f32>(w0), bitcast<f32>(w1), bitcast<f32>(w2), bitcast<f32>(w3));
-}
-fn half4(w0: u32, w1: u32) -> vec4<f32> {
+// A vec4 column from its raw words: four f32 words, or two words of two halves (.zw unused).
+fn widen(w: vec4<u32>) -> vec4<f32> {
+    if (DT == 0u) {
+        return bitcast<vec4<f32>>(w);
+    }
     if (DT == 1u) {
-        return vec4<f32>(unpack2x16float(w0), unpack2x16float(w1));
+        return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y));
     }
-    return vec4<f32>(bf16x2(w0), bf16x2(w1));
+    return vec4<f32>(bf16x2(w.x), bf16x2(w.y));
 }
-fn load_q(e: u32) -> vec4<f32> {
+// The raw words of the vec4 column starting at element `e` (a multiple of 4) of a tensor.
+fn raw_q(e: u32) -> vec4<u32> {
     if (DT == 0u) {
-        let a = qb[e / 2u];
-        let b = qb[e / 2u + 1u];
-        return unpack4(a.x, a.y, b.x, b.y);
+        return vec4<u32>(qb[e / 2u], qb[e / 2u + 1u]);
     }
-    let w = qb[e / 4u];
-    return half4(w.x, w.y);
+    return vec4<u32>(qb[e / 4u], 0u, 0u);
 }
-fn load_k(e: u32) -> vec4<f32> {
+fn raw_v(e: u32) -> vec4<u32> {
     if (DT == 0u) {
-        let a = kb[e / 2u];
-        let b = kb[e / 2u + 1u];
-        return unpack4(a.x, a.y, b.x, b.y);
+        return vec4<u32>(vb[e / 2u], vb[e / 2u + 1u]);
     }
-    let w = kb[e / 4u];
-    return half4(w.x, w.y);
+    return vec4<u32>(vb[e / 4u], 0u, 0u);
 }
-fn load_v(e: u32) -> vec4<f32> {
-    if (DT == 0u) {
-        let a = vb[e / 2u];
-        let b = vb[e / 2u + 1u];
-        return unpack4(a.x, a.y, b.x, b.y);
-    }
-    let w = vb[e / 4u];
-    return half4(w.x, w.y);
+// Integer test, so that no finite-math assumption of a compiler can remove it.
+fn finite4(x: vec4<f32>) -> vec4<f32> {
+    let bad = (bitcast<vec4<u32>>(x) & vec4<u32>(0x7f800000u)) == vec4<u32>(0x7f800000u);
+    return select(x, vec4<f32>(0.0), bad);
 }
 fn store_o(e: u32, x: vec4<f32>) {
     if (DT == 0u) {
@@ -155,22 +160,27 @@ fn seq_of(b: u32) -> Seq {
     return Seq(q0, ql, 0u, md[ck + b]);
 }
 
-// Row of kv token `t` of sequence `b` in k/v seen as [rows, Hkv, D].
 // Where the kv tokens of one sequence are, read from the metadata once per workgroup.
 struct Kv {
     paged: bool,
+    pow2: bool, // block size a power of two: shift and mask instead of a division
+    sh: u32,
     bs: u32,
     bt: u32, // first block-table entry of the sequence in md
     k0: u32,
 }
 
 fn kv_of(b: u32, s: Seq) -> Kv {
-    return Kv(md[M_KIND] == 2u, max(md[M_BS], 1u), md[M_OFF_BT] + b * md[M_MAXB], s.k0);
+    let bs = max(md[M_BS], 1u);
+    return Kv(md[M_KIND] == 2u, (bs & (bs - 1u)) == 0u, countTrailingZeros(bs), bs, md[M_OFF_BT] + b * md[M_MAXB], s.k0);
 }
 
 // Row of kv token `t` in k/v seen as [rows, Hkv, D].
 fn k_row(kvl: Kv, t: u32) -> u32 {
     if (kvl.paged) {
+        if (kvl.pow2) {
+            return (md[kvl.bt + (t >> kvl.sh)] << kvl.sh) | (t & (kvl.bs - 1u));
+        }
         return md[kvl.bt + t / kvl.bs] * kvl.bs + t % kvl.bs;
     }
     return kvl.k0 + t;
@@ -209,8 +219,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let g = hq / hkv;
     let s = seq_of(b);
     let kvi = kv_of(b, s);
+    let nrows = s.ql * g;
     let p0 = wid.x * BQ;
-    if (p0 >= s.ql * g) {
+    if (p0 >= nrows) {
         return;
     }
 
@@ -219,7 +230,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var hi_u = 0;
     for (var rr = 0u; rr < BQ; rr++) {
         let p = p0 + rr;
-        if (p < s.ql * g) {
+        if (p < nrows) {
             let kr = key_range(p / g, s);
             if (kr.x < kr.y) {
                 lo_u = min(lo_u, kr.x);
@@ -236,164 +247,224 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         end = min(hi_u, start + i32(per * BK));
     }
 
-    // This thread's row.
-    let r = tid / R;
-    let t = tid % R;
-    let p = p0 + r;
-    let row_ok = p < s.ql * g;
-    let i = p / g;
-    let h = kh * g + p % g;
-    var kr = vec2<i32>(0, 0);
-    if (row_ok) {
-        kr = key_range(i, s);
+    // Row information and the Q tile.
+    for (var it = 0u; it < (BQ + WG - 1u) / WG; it++) {
+        let rr = tid + it * WG;
+        if (rr >= BQ) {
+            continue;
+        }
+        let p = p0 + rr;
+        var kr = vec2<i32>(0, 0);
+        var slope = 0.0;
+        if (p < nrows) {
+            kr = key_range(p / g, s);
+            if (md[M_ALIBI] != 0u) {
+                slope = bitcast<f32>(md[md[M_OFF_ALIBI] + kh * g + p % g]);
+            }
+        }
+        let ia = i32(p / g) + i32(s.kl) - i32(s.ql);
+        rinfo[rr] = vec4<i32>(max(kr.x, start), min(kr.y, end), ia, bitcast<i32>(slope));
     }
-    let lo = max(kr.x, start);
-    let hi = min(kr.y, end);
-    let ia = i32(i) + i32(s.kl) - i32(s.ql);
-    let scale = bitcast<f32>(md[M_SCALE]);
-    let cap = bitcast<f32>(md[M_CAP]);
-    var slope = 0.0;
-    if (md[M_ALIBI] != 0u && row_ok) {
-        slope = bitcast<f32>(md[md[M_OFF_ALIBI] + h]);
-    }
-
-    // Q tile.
     // A constant trip count, so that the compiler can unroll and keep several loads in flight.
     for (var it = 0u; it < (BQ * D4 + WG - 1u) / WG; it++) {
         let x = tid + it * WG;
         if (x < BQ * D4) {
             let pr = p0 + x / D4;
             var val = vec4<f32>(0.0);
-            if (pr < s.ql * g) {
-                let hh = kh * g + pr % g;
-                val = load_q(((s.q0 + pr / g) * hq + hh) * D + (x % D4) * 4u);
+            if (pr < nrows) {
+                val = widen(raw_q(((s.q0 + pr / g) * hq + kh * g + pr % g) * D + (x % D4) * 4u));
             }
-            qs[(x / D4) * QS + x % D4] = val;
+            qs[x] = val;
         }
     }
 
-    var m = NEG;
-    var l = 0.0;
-    var o: array<vec4<f32>, NV>;
-    for (var c = 0u; c < NV; c++) {
-        o[c] = vec4<f32>(0.0);
+    let scale = bitcast<f32>(md[M_SCALE]);
+    let cap = bitcast<f32>(md[M_CAP]);
+    let c = tid % D4; // value phase: vec4 column
+    let slot = tid / D4; // value phase: key slot
+
+    var m: array<f32, BQ>;
+    var l: array<f32, BQ>;
+    var o: array<vec4<f32>, BQ>;
+    for (var r = 0u; r < BQ; r++) {
+        m[r] = NEG;
+        l[r] = 0.0;
+        o[r] = vec4<f32>(0.0);
     }
 
+    var buf = 0u;
     for (var j0 = start; j0 < end; j0 += i32(BK)) {
-        workgroupBarrier(); // the previous tile is consumed (and the Q tile is written)
-        // A constant trip count, so that the compiler can unroll and keep several loads in flight.
-        for (var it = 0u; it < (BK * D4 + WG - 1u) / WG; it++) {
+        // 1. K tile (raw words) into workgroup memory; V elements of this thread into registers.
+        for (var it = 0u; it < (BK * KW + WG - 1u) / WG; it++) {
             let x = tid + it * WG;
-            if (x < BK * D4) {
-                let j = j0 + i32(x / D4);
-                var kv = vec4<f32>(0.0);
-                var vv = vec4<f32>(0.0);
+            if (x < BK * KW) {
+                let jj = x / KW;
+                let w = x % KW;
+                let j = j0 + i32(jj);
+                var word = vec2<u32>(0u);
                 if (j < end) {
-                    let e = (k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u;
-                    kv = load_k(e);
-                    vv = load_v(e);
+                    word = kb[(k_row(kvi, u32(j)) * hkv + kh) * KW + w];
                 }
-                ks[(x / D4) * QS + x % D4] = kv;
-                vs[x] = vv;
+                ks[jj * KWS + w] = word;
             }
         }
-        workgroupBarrier();
-
-        // Scores of this row's keys t, t+R, ...
-        for (var n = 0u; n < NS; n++) {
-            let jj = t + n * R;
-            if (jj >= BK) {
-                break;
+        var vr: array<vec4<u32>, KPS>;
+        for (var n = 0u; n < KPS; n++) {
+            let j = j0 + i32(slot + n * NKS);
+            var raw = vec4<u32>(0u);
+            if (j < end) {
+                raw = raw_v((k_row(kvi, u32(j)) * hkv + kh) * D + c * 4u);
             }
-            var acc = 0.0;
-            for (var c = 0u; c < D4; c++) {
-                acc += dot(qs[r * QS + c], ks[jj * QS + c]);
-            }
-            var sc = scale * acc;
-            if (cap > 0.0) {
-                // tanh through exp(-2|x|): finite for every input, unlike a naive (e^2x-1)/(e^2x+1).
-                let y = sc / cap;
-                let z = exp(-2.0 * abs(y));
-                sc = cap * sign(y) * (1.0 - z) / (1.0 + z);
-            }
-            sc -= slope * f32(abs(ia - (j0 + i32(jj))));
-            ss[r * BK + jj] = sc;
+            vr[n] = raw;
         }
-        workgroupBarrier();
+        workgroupBarrier(); // the K tile (and, the first time, the Q tile and rinfo) is written
 
-        // Online softmax for this row over its visible keys of the tile.
-        let a = max(lo, j0);
-        let e = min(hi, j0 + i32(BK));
-        if (a < e) {
-            var mt = NEG;
-            for (var j = a; j < e; j++) {
-                mt = max(mt, ss[r * BK + u32(j - j0)]);
-            }
-            let m_new = max(m, mt);
-            let alpha = exp(m - m_new);
-            l *= alpha;
-            for (var c = 0u; c < NV; c++) {
-                o[c] *= alpha;
-            }
-            for (var j = a; j < e; j++) {
-                let jj = u32(j - j0);
-                let pj = exp(ss[r * BK + jj] - m_new);
-                l += pj;
-                // A zero weight must not multiply a value (0 * NaN is NaN).
-                if (pj != 0.0) {
-                    for (var c = 0u; c < NV; c++) {
-                        let col = t + c * R;
-                        if (col < D4) {
-                            o[c] += pj * vs[jj * D4 + col];
-                        }
+        // 2. Scores of key jj for every row.
+        let sb = buf * BQ * BK;
+        for (var it = 0u; it < (BK + WG - 1u) / WG; it++) {
+            let jj = tid + it * WG;
+            if (jj < BK) {
+                var acc: array<f32, BQ>;
+                for (var r = 0u; r < BQ; r++) {
+                    acc[r] = 0.0;
+                }
+                for (var cc = 0u; cc < D4; cc++) {
+                    var kw = vec4<u32>(ks[jj * KWS + cc * WPC], 0u, 0u);
+                    if (WPC == 2u) {
+                        kw = vec4<u32>(kw.xy, ks[jj * KWS + cc * WPC + 1u]);
+                    }
+                    let kv = widen(kw);
+                    for (var r = 0u; r < BQ; r++) {
+                        acc[r] += dot(qs[r * D4 + cc], kv);
                     }
                 }
+                let j = j0 + i32(jj);
+                for (var r = 0u; r < BQ; r++) {
+                    let ri = rinfo[r];
+                    var x = scale * acc[r];
+                    if (cap > 0.0) {
+                        // tanh through exp(-2|x|): finite for every input.
+                        let y = x / cap;
+                        let z = exp(-2.0 * abs(y));
+                        x = cap * sign(y) * (1.0 - z) / (1.0 + z);
+                    }
+                    x -= bitcast<f32>(ri.w) * f32(abs(ri.z - j));
+                    // A select, not arithmetic: a NaN score of a masked key is dropped here.
+                    x = select(MASKED, x, j >= ri.x && j < ri.y);
+                    sc[sb + r * BK + jj] = x;
+                }
             }
-            m = m_new;
         }
+        workgroupBarrier(); // the scores are written; the K tile is consumed
+
+        // 3. Online softmax and O += P V for this thread's slot and column.
+        var vv: array<vec4<f32>, KPS>;
+        for (var n = 0u; n < KPS; n++) {
+            vv[n] = finite4(widen(vr[n]));
+        }
+        for (var r = 0u; r < BQ; r++) {
+            var mt = NEG;
+            for (var n = 0u; n < KPS; n++) {
+                mt = max(mt, sc[sb + r * BK + slot + n * NKS]);
+            }
+            let m_new = max(m[r], mt);
+            let alpha = exp(m[r] - m_new);
+            var acc = o[r] * alpha;
+            var sum = l[r] * alpha;
+            for (var n = 0u; n < KPS; n++) {
+                let x = sc[sb + r * BK + slot + n * NKS];
+                let pj = select(0.0, exp(x - m_new), x > MASKED);
+                sum += pj;
+                acc += pj * vv[n];
+            }
+            o[r] = acc;
+            l[r] = sum;
+            m[r] = m_new;
+        }
+        buf ^= 1u;
     }
 
-    if (!row_ok) {
+    // Merge the slots: every slot's (m, l) to workgroup memory, then the weighted outputs are
+    // summed into qs (free now) slot by slot, and the last slot writes the rows out.
+    workgroupBarrier();
+    if (c == 0u) {
+        for (var r = 0u; r < BQ; r++) {
+            ml[slot * BQ + r] = vec2<f32>(m[r], l[r]);
+        }
+    }
+    workgroupBarrier();
+    var mx: array<f32, BQ>;
+    var lt: array<f32, BQ>;
+    for (var r = 0u; r < BQ; r++) {
+        var mm = NEG;
+        for (var t = 0u; t < NKS; t++) {
+            mm = max(mm, ml[t * BQ + r].x);
+        }
+        var ll = 0.0;
+        for (var t = 0u; t < NKS; t++) {
+            let e = ml[t * BQ + r];
+            ll += e.y * exp(e.x - mm);
+        }
+        mx[r] = mm;
+        lt[r] = ll;
+        // This slot's share, normalised.
+        var w = 0.0;
+        if (ll > 0.0) {
+            w = exp(m[r] - mm) / ll;
+        }
+        o[r] *= w;
+    }
+    for (var t = 0u; t + 1u < NKS; t++) {
+        if (slot == t) {
+            for (var r = 0u; r < BQ; r++) {
+                if (t == 0u) {
+                    qs[r * D4 + c] = o[r];
+                } else {
+                    qs[r * D4 + c] += o[r];
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+    if (slot != NKS - 1u) {
         return;
     }
-    var inv = 0.0;
-    if (l > 0.0) {
-        inv = 1.0 / l;
-    }
-    let row = s.q0 + i;
-    if (splits == 1u) {
-        let base = (row * hq + h) * D;
-        for (var c = 0u; c < NV; c++) {
-            let col = t + c * R;
-            if (col < D4) {
-                store_o(base + col * 4u, o[c] * inv);
+    for (var r = 0u; r < BQ; r++) {
+        let p = p0 + r;
+        // No `break`: a loop of constant trip count unrolls, and `o` stays in registers.
+        if (p < nrows) {
+            var res = o[r];
+            if (NKS > 1u) {
+                res += qs[r * D4 + c];
             }
-        }
-        if (t == 0u && md[M_LSE] != 0u) {
-            var lv = bitcast<f32>(0xff800000u); // -inf
-            if (l > 0.0) {
-                lv = m + log(l);
+            let i = p / g;
+            let h = kh * g + p % g;
+            let row = s.q0 + i;
+            let ll = lt[r];
+            if (splits == 1u) {
+                store_o((row * hq + h) * D + c * 4u, res);
+                if (c == 0u && md[M_LSE] != 0u) {
+                    var lv = bitcast<f32>(0xff800000u); // -inf
+                    if (ll > 0.0) {
+                        lv = mx[r] + log(ll);
+                    }
+                    var li = h * md[M_TQ] + row;
+                    if (md[M_KIND] == 0u) {
+                        li = (b * hq + h) * md[M_SQ] + i;
+                    }
+                    lseb[li] = lv;
+                }
+            } else {
+                let pi = (split * md[M_TQ] + row) * hq + h;
+                part_o[pi * D4 + c] = res;
+                if (c == 0u) {
+                    var lv = NEG;
+                    if (ll > 0.0) {
+                        lv = mx[r] + log(ll);
+                    }
+                    part_lse[pi] = lv;
+                }
             }
-            var li = h * md[M_TQ] + row;
-            if (md[M_KIND] == 0u) {
-                li = (b * hq + h) * md[M_SQ] + i;
-            }
-            lseb[li] = lv;
-        }
-    } else {
-        let pi = (split * md[M_TQ] + row) * hq + h;
-        for (var c = 0u; c < NV; c++) {
-            let col = t + c * R;
-            if (col < D4) {
-                part_o[pi * D4 + col] = o[c] * inv;
-            }
-        }
-        if (t == 0u) {
-            var lv = NEG;
-            if (l > 0.0) {
-                lv = m + log(l);
-            }
-            part_lse[pi] = lv;
         }
     }
 }

@@ -54,15 +54,20 @@ fn every_specialisation_validates() {
     for (name, src) in shaders() {
         for dt in 0..3 {
             for d in [4, 8, 12, 20, 64, 128, 132, 256] {
-                // (rows, keys, threads per row) the backend may pick for this file.
+                // (rows, keys, key slots) the backend may pick for this file.
+                let nks = (128 / (d / 4)).clamp(1, 8);
+                let rows_tiles: Vec<(usize, usize, usize)> = [1, 2, 4, 8, 16]
+                    .into_iter()
+                    .flat_map(|bq| [16, 8, 4, 1].into_iter().map(move |kps| (bq, kps * nks, nks)))
+                    .collect();
                 let tiles: &[(usize, usize, usize)] = if name.contains("_mt") {
                     &[(32, 32, 0), (16, 32, 0), (32, 16, 0), (16, 16, 0)]
                 } else {
-                    &[(16, 32, 4), (16, 4, 4), (1, 32, 64), (1, 4, 64), (2, 32, 32), (4, 16, 16), (8, 8, 8)]
+                    &rows_tiles
                 };
-                for &(bq, bk, r) in tiles {
-                    let s = specialize(&src, &[("D", d), ("DT", dt), ("BQ", bq), ("BK", bk), ("R", r)]);
-                    if let Err(e) = validate(&format!("{name} (DT {dt}, D {d}, BQ {bq}, BK {bk}, R {r})"), &s) {
+                for &(bq, bk, nks) in tiles {
+                    let s = specialize(&src, &[("D", d), ("DT", dt), ("BQ", bq), ("BK", bk), ("NKS", nks)]);
+                    if let Err(e) = validate(&format!("{name} (DT {dt}, D {d}, BQ {bq}, BK {bk}, NKS {nks})"), &s) {
                         errors.push(e);
                     }
                 }

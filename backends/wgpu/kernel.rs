@@ -18,13 +18,11 @@ const COMBINE_WG: usize = 64;
 /// Most key/value splits of one call.
 pub(crate) const MAX_SPLITS: usize = 64;
 /// Workgroups the split heuristic aims for (a few per multiprocessor of a large GPU).
-const TARGET_WORKGROUPS: usize = 1024;
+const TARGET_WORKGROUPS: usize = 4096;
 /// Fewest keys a split should own.
-const MIN_KEYS_PER_SPLIT: usize = 128;
+const MIN_KEYS_PER_SPLIT: usize = 256;
 /// Header words of the metadata buffer (see the `M_*` constants of the shaders).
 const HEADER: usize = 24;
-/// Key tiles tried, largest first.
-const BK_CHOICES: [usize; 5] = [64, 32, 16, 8, 4];
 /// Micro-tile (rows, keys) tiles tried, largest first; keys >= rows / 1 so that there is a
 /// thread per row for the softmax (threads = rows * keys / 16 >= rows).
 const MT_TILES: [(usize, usize); 4] = [(32, 32), (16, 32), (32, 16), (16, 16)];
@@ -32,8 +30,9 @@ const MT_TILES: [(usize, usize); 4] = [(32, 32), (16, 32), (32, 16), (16, 16)];
 /// Which kernel variant serves a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Kernel {
-    /// `flash_attn.wgsl`: `r` threads per row, one dot product per score from workgroup memory.
-    /// Chosen for short-query calls (decode), where it wastes no threads on empty rows.
+    /// `flash_attn.wgsl`: split-KV over key slots; a thread per key for the scores, a thread per
+    /// (vec4 column, key slot) for the output. Chosen for short-query calls (decode), where it
+    /// wastes no threads on empty rows.
     Rows,
     /// `flash_attn_mt.wgsl`: 4x4 register micro-tiles for scores and output. Chosen when a
     /// workgroup has 32 rows to fill (prefill).
@@ -46,54 +45,76 @@ pub(crate) struct Plan {
     kernel: Kernel,
     bq: usize,
     bk: usize,
-    r: usize,
+    /// `Rows`: key slots of the value phase (threads = d / 4 * nks).
+    nks: usize,
 }
 
-/// Workgroup memory of a plan for head dim `d`, in bytes.
-fn wg_bytes(p: &Plan, d: usize) -> usize {
+/// 8-byte words per vec4 column of a tensor: two for f32, one for f16/bf16.
+fn words_per_col(dt: DType) -> usize {
+    if dt == DType::F32 {
+        2
+    } else {
+        1
+    }
+}
+
+/// Workgroup memory of a plan for head dim `d` and `wpc` words per vec4 column, in bytes.
+fn wg_bytes(p: &Plan, d: usize, wpc: usize) -> usize {
     match p.kernel {
-        // Q and K rows are padded by one vec4 (bank conflicts); V is not.
-        Kernel::Rows => (p.bq * (d + 4) + p.bk * (d + 4) + p.bk * d + p.bq * p.bk) * 4,
+        // Q rows, the K tile as raw words (rows padded by one word), two score buffers, the row
+        // information and the slots' (m, l).
+        Kernel::Rows => {
+            p.bq * d * 4 + p.bk * (d / 4 * wpc + 1) * 8 + 2 * p.bq * p.bk * 4 + p.bq * 16 + p.nks * p.bq * 8
+        }
         // Q^T, K^T-then-V, P^T, and three row vectors.
         Kernel::MicroTile => (p.bq * d + p.bk * d + p.bk * p.bq) * 4 + 12 * p.bq,
     }
 }
 
 /// The `Rows` plan for `rows` rows per sequence (at most 16 per workgroup): as few rows per
-/// workgroup as cover them, with more threads per row; more rows (fewer threads per row, so a
-/// smaller key tile) where the workgroup memory is short.
-fn rows_plan(d: usize, rows: usize, limit: u32) -> Option<Plan> {
+/// workgroup as cover them; about 128 threads (d / 4 columns times key slots); keys per slot
+/// and tile fewer as the rows grow (the registers of a thread hold a value per key and an output
+/// vec4 per row); smaller tiles, then fewer rows, where the workgroup memory is short.
+fn rows_plan(d: usize, wpc: usize, rows: usize, limit: u32) -> Option<Plan> {
+    let d4 = d / 4;
+    let nks = (128 / d4).clamp(1, 8);
     let first = rows.clamp(1, 16).next_power_of_two();
-    [1, 2, 4, 8, 16].into_iter().filter(|&bq| bq >= first).find_map(|bq| {
-        let r = (64 / bq).max(4);
-        BK_CHOICES
+    [16, 8, 4, 2, 1].into_iter().filter(|&bq| bq <= first).find_map(|bq| {
+        let kps = match bq {
+            1 | 2 => 16,
+            4 => 8,
+            _ => 4,
+        };
+        [kps, kps / 2, kps / 4, 1]
             .into_iter()
-            .filter(|&bk| bk <= 32)
-            .map(|bk| Plan { kernel: Kernel::Rows, bq, bk, r })
-            .find(|p| wg_bytes(p, d) <= limit as usize)
+            .filter(|&k| k >= 1)
+            .map(|k| Plan { kernel: Kernel::Rows, bq, bk: k * nks, nks })
+            .find(|p| wg_bytes(p, d, wpc) <= limit as usize)
     })
 }
 
 fn mt_plan(d: usize, limit: u32) -> Option<Plan> {
     MT_TILES
         .into_iter()
-        .map(|(bq, bk)| Plan { kernel: Kernel::MicroTile, bq, bk, r: 0 })
-        .find(|p| wg_bytes(p, d) <= limit as usize)
+        .map(|(bq, bk)| Plan { kernel: Kernel::MicroTile, bq, bk, nks: 0 })
+        .find(|p| wg_bytes(p, d, 1) <= limit as usize)
 }
 
 /// The plan for a call whose sequences have at most `rows` (query, head-of-group) rows.
-fn plan(d: usize, rows: usize, limit: u32, forced: Option<Kernel>) -> Option<Plan> {
+fn plan(d: usize, dt: DType, rows: usize, limit: u32, forced: Option<Kernel>) -> Option<Plan> {
+    let wpc = words_per_col(dt);
     match forced {
-        Some(Kernel::Rows) => rows_plan(d, 16, limit),
-        Some(Kernel::MicroTile) => mt_plan(d, limit).or_else(|| rows_plan(d, 16, limit)),
-        None if rows >= 32 => mt_plan(d, limit).or_else(|| rows_plan(d, rows, limit)),
-        None => rows_plan(d, rows, limit),
+        Some(Kernel::Rows) => rows_plan(d, wpc, 16, limit),
+        Some(Kernel::MicroTile) => mt_plan(d, limit).or_else(|| rows_plan(d, wpc, 16, limit)),
+        None if rows >= 32 => mt_plan(d, limit).or_else(|| rows_plan(d, wpc, rows, limit)),
+        None => rows_plan(d, wpc, rows, limit),
     }
 }
 
-/// The largest head dim (a multiple of 4, at most [`super::MAX_HEAD_DIM`]) that fits `limit`.
+/// The largest head dim (a multiple of 4, at most [`super::MAX_HEAD_DIM`]) that fits `limit`
+/// for every dtype.
 pub(crate) fn max_head_dim(limit: u32) -> usize {
-    (1..=super::MAX_HEAD_DIM / 4).rev().map(|n| n * 4).find(|&d| rows_plan(d, 16, limit).is_some()).unwrap_or(4)
+    (1..=super::MAX_HEAD_DIM / 4).rev().map(|n| n * 4).find(|&d| rows_plan(d, 2, 1, limit).is_some()).unwrap_or(4)
 }
 
 fn dtype_code(d: DType) -> u32 {
@@ -204,7 +225,10 @@ impl State {
             .or_insert_with(|| {
                 let (src, label) = match key {
                     PipeKey::Flash(dt, d, p) if p.kernel == Kernel::Rows => (
-                        specialize(FLASH_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk), ("R", p.r)]),
+                        specialize(
+                            FLASH_SRC,
+                            &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk), ("NKS", p.nks)],
+                        ),
                         "attnkit flash_attn",
                     ),
                     PipeKey::Flash(dt, d, p) => (
@@ -387,7 +411,7 @@ pub(crate) fn forward(
     }
     let d = c.d;
     let g = c.group();
-    let plan = plan(d, c.max_q * g, ctx.limits.max_compute_workgroup_storage_size, forced_kernel)
+    let plan = plan(d, c.dtype, c.max_q * g, ctx.limits.max_compute_workgroup_storage_size, forced_kernel)
         .ok_or_else(|| backend_err(format!("head dim {d} does not fit this device's workgroup memory")))?;
     let dt = dtype_code(c.dtype);
     let tiles_q = (c.max_q * g).div_ceil(plan.bq);

@@ -3,7 +3,8 @@
 //!
 //! - Two kernels, specialised per (dtype, head dim, tile) and compiled once per configuration:
 //!   `shaders/flash_attn_mt.wgsl` (4x4 register micro-tiles) for calls with 32+ rows per
-//!   sequence, `shaders/flash_attn.wgsl` (`Rows`: several threads per row) for short-query calls.
+//!   sequence, `shaders/flash_attn.wgsl` (`Rows`: a thread per key for the scores, a thread per
+//!   (column, key slot) for the output) for short-query calls.
 //!   A row is a (query, query head of the GQA group) pair, so a group shares each K/V tile.
 //!   Short-query, long-key calls split the keys; `shaders/combine.wgsl` merges the splits by lse.
 //! - Every dtype is read as 8-byte words: two f32, or four f16/bf16 unpacked to f32 in registers
