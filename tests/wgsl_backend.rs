@@ -139,6 +139,50 @@ fn caller_device_and_buffers() {
     check_close("out", &got, &want, atol, rtol).unwrap();
 }
 
+/// The cooperative-matrix kernel, forced, against the reference on random f16 cases (queries
+/// long enough for full and ragged 64-row tiles, every layout and mask). On an adapter without
+/// cooperative matrices (lavapipe) it checks that forcing the kernel is a typed error, and says
+/// loudly that the kernel itself was not run; `ATTNKIT_REQUIRE_COOP=1` (set where the GPU has
+/// them) makes that absence a failure.
+#[test]
+fn coop_kernel_matches_reference() {
+    let Some(mut be) = be() else { return };
+    let mut rng = Rng::new(0xc00b);
+    let mut case = random_case(&mut rng, 11);
+    case.dtype = DType::F16;
+    case.d = 64;
+    be.set_kernel(Some(Kernel::Coop));
+    if !be.has_cooperative_matrices() {
+        let required = std::env::var("ATTNKIT_REQUIRE_COOP").is_ok_and(|v| v == "1");
+        assert!(!required, "ATTNKIT_REQUIRE_COOP=1, but adapter {} has no cooperative matrices", be.adapter_name());
+        let built = case.build();
+        let err = run_on(&be, &case, &built).err().expect("Kernel::Coop without cooperative matrices must fail");
+        assert!(err.to_string().contains("Kernel::Coop"), "unexpected error: {err}");
+        eprintln!(
+            "\n*** wgpu: cooperative-matrix kernel NOT RUN: adapter {} has no cooperative matrices \
+             (forcing it gave a typed error, as it should) ***\n",
+            be.adapter_name()
+        );
+        return;
+    }
+    eprintln!("wgpu: cooperative-matrix kernel on {}", be.adapter_name());
+    for n in 0..case_count() {
+        let seed = rng.next_u64();
+        let mut case = random_case(&mut rng, seed);
+        case.dtype = DType::F16;
+        case.d = [32, 64, 96, 128, 256][n % 5];
+        for l in case.lens.iter_mut() {
+            l.0 = (l.0 * 37 + rng.below(40)) % 200;
+        }
+        if case.layout == LayoutKind::Dense {
+            let l0 = (case.lens[0].0.max(1), case.lens[0].1.max(1));
+            case.lens.iter_mut().for_each(|l| *l = l0);
+        }
+        be.set_kv_splits(if n % 4 == 3 { Some(3) } else { None });
+        check_against_reference(&be, &case).unwrap_or_else(|e| panic!("coop: {e}"));
+    }
+}
+
 fn case_of(layout: LayoutKind, dtype: DType, lens: Vec<(usize, usize)>) -> Case {
     Case {
         layout,

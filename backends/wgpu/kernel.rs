@@ -11,6 +11,7 @@ use crate::validate::Checked;
 
 const FLASH_SRC: &str = include_str!("../../shaders/flash_attn.wgsl");
 const FLASH_MT_SRC: &str = include_str!("../../shaders/flash_attn_mt.wgsl");
+const FLASH_COOP_SRC: &str = include_str!("../../shaders/flash_attn_coop.wgsl");
 const COMBINE_SRC: &str = include_str!("../../shaders/combine.wgsl");
 
 /// Threads per workgroup of the combine pass.
@@ -37,6 +38,10 @@ pub enum Kernel {
     /// `flash_attn_mt.wgsl`: 4x4 register micro-tiles for scores and output. Chosen when a
     /// workgroup has 32 rows to fill (prefill).
     MicroTile,
+    /// `flash_attn_coop.wgsl`: cooperative matrices (tensor cores), f16 only, head dims that are
+    /// multiples of 32. Chosen for f16 calls with 32+ queries per sequence where the device has
+    /// them ([`super::WgpuBackend::has_cooperative_matrices`]).
+    Coop,
 }
 
 /// A kernel variant with its tile shape.
@@ -45,7 +50,7 @@ pub(crate) struct Plan {
     kernel: Kernel,
     bq: usize,
     bk: usize,
-    /// `Rows`: key slots of the value phase (threads = d / 4 * nks).
+    /// `Rows`: key slots of the value phase (threads = d / 4 * nks); `Coop`: subgroups.
     nks: usize,
 }
 
@@ -68,6 +73,11 @@ fn wg_bytes(p: &Plan, d: usize, wpc: usize) -> usize {
         }
         // Q^T, K^T-then-V, P^T, and three row vectors.
         Kernel::MicroTile => (p.bq * d + p.bk * d + p.bk * p.bq) * 4 + 12 * p.bq,
+        // K and V tiles in f16 (rows padded by 8), each subgroup's f32 scratch rows (padded by
+        // 4) and f16 P rows (padded by 8), a factor per row, the flag and the key range.
+        Kernel::Coop => {
+            2 * p.bk * (d + 8) * 2 + p.nks * 16 * (p.bk + 4) * 4 + p.nks * 16 * (p.bk + 8) * 2 + p.bq * 4 + 16
+        }
     }
 }
 
@@ -100,12 +110,35 @@ fn mt_plan(d: usize, limit: u32) -> Option<Plan> {
         .find(|p| wg_bytes(p, d, 1) <= limit as usize)
 }
 
-/// The plan for a call whose sequences have at most `rows` (query, head-of-group) rows.
-fn plan(d: usize, dt: DType, rows: usize, limit: u32, forced: Option<Kernel>) -> Option<Plan> {
+/// The cooperative-matrix plan: 4 (else 2) subgroups of 16 query rows, 32-key tiles (the Q
+/// tile passes through the K/V tile buffer, so 16 * subgroups <= 2 * keys).
+fn coop_plan(d: usize, limit: u32) -> Option<Plan> {
+    if d % 32 != 0 || d > super::MAX_HEAD_DIM {
+        return None;
+    }
+    [(4, 32), (2, 32)]
+        .into_iter()
+        .map(|(nw, bk)| Plan { kernel: Kernel::Coop, bq: 16 * nw, bk, nks: nw })
+        .find(|p| wg_bytes(p, d, 1) <= limit as usize)
+}
+
+/// Whether the coop kernel can serve a call of this dtype and head dim on this device.
+fn coop_fits(coop: bool, dt: DType, d: usize) -> bool {
+    coop && dt == DType::F16 && d % 32 == 0
+}
+
+/// The plan for a call whose sequences have at most `queries` queries, `g` query heads per kv
+/// head (a row of the portable kernels is a (query, head-of-group) pair).
+fn plan(d: usize, dt: DType, queries: usize, g: usize, limit: u32, coop: bool, forced: Option<Kernel>) -> Option<Plan> {
     let wpc = words_per_col(dt);
+    let rows = queries * g;
     match forced {
         Some(Kernel::Rows) => rows_plan(d, wpc, 16, limit),
         Some(Kernel::MicroTile) => mt_plan(d, limit).or_else(|| rows_plan(d, wpc, 16, limit)),
+        Some(Kernel::Coop) => coop_plan(d, limit),
+        None if queries >= 32 && coop_fits(coop, dt, d) => {
+            coop_plan(d, limit).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, rows, limit))
+        }
         None if rows >= 32 => mt_plan(d, limit).or_else(|| rows_plan(d, wpc, rows, limit)),
         None => rows_plan(d, wpc, rows, limit),
     }
@@ -231,6 +264,10 @@ impl State {
                         ),
                         "attnkit flash_attn",
                     ),
+                    PipeKey::Flash(_, d, p) if p.kernel == Kernel::Coop => (
+                        specialize(FLASH_COOP_SRC, &[("D", d), ("NW", p.nks), ("BK", p.bk)]),
+                        "attnkit flash_attn_coop",
+                    ),
                     PipeKey::Flash(dt, d, p) => (
                         specialize(FLASH_MT_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk)]),
                         "attnkit flash_attn_mt",
@@ -305,10 +342,9 @@ impl State {
     }
 }
 
-/// How many key/value chunks to split a call into.
-fn choose_splits(c: &Checked<'_>, forced: Option<usize>, bq: usize, bk: usize) -> usize {
-    let g = c.group();
-    let tiles_q = (c.max_q * g).div_ceil(bq).max(1);
+/// How many key/value chunks to split a call into; `tiles_q` query tiles of `heads` heads per
+/// sequence.
+fn choose_splits(c: &Checked<'_>, forced: Option<usize>, tiles_q: usize, heads: usize, bk: usize) -> usize {
     let max_by_keys = c.max_k.div_ceil(bk).max(1);
     if let Some(n) = forced {
         return n.clamp(1, MAX_SPLITS).min(max_by_keys);
@@ -317,7 +353,7 @@ fn choose_splits(c: &Checked<'_>, forced: Option<usize>, bq: usize, bk: usize) -
     if tiles_q > 4 || c.max_k < 2 * MIN_KEYS_PER_SPLIT {
         return 1;
     }
-    let wgs = c.batch * c.hkv * tiles_q;
+    let wgs = c.batch * heads * tiles_q;
     let want = TARGET_WORKGROUPS.div_ceil(wgs.max(1));
     want.min(c.max_k / MIN_KEYS_PER_SPLIT).clamp(1, MAX_SPLITS)
 }
@@ -411,11 +447,26 @@ pub(crate) fn forward(
     }
     let d = c.d;
     let g = c.group();
-    let plan = plan(d, c.dtype, c.max_q * g, ctx.limits.max_compute_workgroup_storage_size, forced_kernel)
+    if forced_kernel == Some(Kernel::Coop) && !coop_fits(ctx.coop, c.dtype, d) {
+        return Err(backend_err(format!(
+            "Kernel::Coop needs a device with cooperative matrices (this one: {}), f16 (got {:?}) and a head dim \
+             that is a multiple of 32 (got {d})",
+            if ctx.coop { "yes" } else { "no" },
+            c.dtype
+        )));
+    }
+    let limit = ctx.limits.max_compute_workgroup_storage_size;
+    let plan = plan(d, c.dtype, c.max_q, g, limit, ctx.coop, forced_kernel)
         .ok_or_else(|| backend_err(format!("head dim {d} does not fit this device's workgroup memory")))?;
     let dt = dtype_code(c.dtype);
-    let tiles_q = (c.max_q * g).div_ceil(plan.bq);
-    let mut splits = choose_splits(c, forced_splits, plan.bq, plan.bk);
+    // The coop kernel's workgroups own queries of one query head; the others' own rows of
+    // (query, head of the group) pairs of one kv head.
+    let (tiles_q, heads) = if plan.kernel == Kernel::Coop {
+        (c.max_q.div_ceil(plan.bq), c.hq)
+    } else {
+        ((c.max_q * g).div_ceil(plan.bq), c.hkv)
+    };
+    let mut splits = choose_splits(c, forced_splits, tiles_q, heads, plan.bk);
     let rows = (c.total_q * c.hq) as u64;
     // The split scratch must fit one binding; fewer splits otherwise.
     while splits > 1 && rows * splits as u64 * d as u64 * 4 > ctx.limits.max_storage_buffer_binding_size {
@@ -423,10 +474,9 @@ pub(crate) fn forward(
     }
     let max_groups = ctx.limits.max_compute_workgroups_per_dimension as usize;
     let z = c.batch * splits;
-    if tiles_q > max_groups || c.hkv > max_groups || z > max_groups {
+    if tiles_q > max_groups || heads > max_groups || z > max_groups {
         return Err(backend_err(format!(
-            "grid ({tiles_q}, {}, {z}) exceeds this device's {max_groups} workgroups per dimension",
-            c.hkv
+            "grid ({tiles_q}, {heads}, {z}) exceeds this device's {max_groups} workgroups per dimension"
         )));
     }
     for (what, s) in [("q", q), ("k", k), ("v", v), ("out", out)] {
@@ -502,7 +552,7 @@ pub(crate) fn forward(
             let mut pass = enc.begin_compute_pass(&Default::default());
             pass.set_pipeline(&fpipe);
             pass.set_bind_group(0, &fbg, &[]);
-            pass.dispatch_workgroups(tiles_q as u32, c.hkv as u32, z as u32);
+            pass.dispatch_workgroups(tiles_q as u32, heads as u32, z as u32);
         }
         if let Some((cpipe, cbg)) = combine {
             let mut pass = enc.begin_compute_pass(&Default::default());

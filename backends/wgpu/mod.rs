@@ -74,6 +74,9 @@ pub(crate) struct Ctx {
     pub(crate) queue: ::wgpu::Queue,
     adapter_name: String,
     pub(crate) limits: ::wgpu::Limits,
+    /// The device has cooperative matrices the coop kernel can use (16x16x16 f16 x f16 -> f32,
+    /// subgroups of exactly 32), with `shader-f16` and subgroups enabled.
+    pub(crate) coop: bool,
     pub(crate) state: Mutex<kernel::State>,
 }
 
@@ -84,10 +87,10 @@ impl std::fmt::Debug for Ctx {
 }
 
 impl Ctx {
-    fn new(device: ::wgpu::Device, queue: ::wgpu::Queue, adapter_name: String) -> Ctx {
+    fn new(device: ::wgpu::Device, queue: ::wgpu::Queue, adapter_name: String, coop: bool) -> Ctx {
         let limits = device.limits();
         let state = Mutex::new(kernel::State::new(&device));
-        Ctx { id: NEXT_ID.fetch_add(1, Ordering::Relaxed), device, queue, adapter_name, limits, state }
+        Ctx { id: NEXT_ID.fetch_add(1, Ordering::Relaxed), device, queue, adapter_name, limits, coop, state }
     }
 
     /// Run `f` inside validation and out-of-memory error scopes; a captured error becomes `Err`.
@@ -138,9 +141,15 @@ fn open_default() -> Result<Ctx> {
     let adapter = pollster::block_on(instance.request_adapter(&opts))
         .map_err(|e| no_device(format!("no adapter: {e} (is a Vulkan/Metal/DX12 driver installed?)")))?;
     let info = adapter.get_info();
+    let coop = coop_allowed()
+        && coop_usable(adapter.features(), &info)
+        && adapter.cooperative_matrix_properties().iter().any(|p| {
+            use ::wgpu::CooperativeScalarType as T;
+            (p.m_size, p.n_size, p.k_size) == (16, 16, 16) && p.ab_type == T::F16 && p.cr_type == T::F32
+        });
     let desc = ::wgpu::DeviceDescriptor {
         label: Some("attnkit"),
-        required_features: ::wgpu::Features::empty(),
+        required_features: if coop { COOP_FEATURES } else { ::wgpu::Features::empty() },
         // Everything the adapter offers: larger workgroup memory means larger tiles and head dims.
         required_limits: adapter.limits(),
         ..Default::default()
@@ -149,7 +158,27 @@ fn open_default() -> Result<Ctx> {
         .map_err(|e| no_device(format!("adapter {} would not open a device: {e}", info.name)))?;
     // Our own device: errors are caught by scopes around each operation, never by a panic.
     device.on_uncaptured_error(Arc::new(|e| eprintln!("attnkit wgpu: uncaptured device error: {e}")));
-    Ok(Ctx::new(device, queue, format!("{} ({:?})", info.name, info.backend)))
+    let name = format!("{} ({:?}{})", info.name, info.backend, if coop { ", cooperative matrices" } else { "" });
+    Ok(Ctx::new(device, queue, name, coop))
+}
+
+/// What the cooperative-matrix kernel needs of a device.
+const COOP_FEATURES: ::wgpu::Features = ::wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
+    .union(::wgpu::Features::SHADER_F16)
+    .union(::wgpu::Features::SUBGROUP);
+
+/// `ATTNKIT_WGPU_COOP=off` keeps the cooperative-matrix kernel out (for A/B timing).
+fn coop_allowed() -> bool {
+    std::env::var("ATTNKIT_WGPU_COOP").map_or(true, |v| v != "off")
+}
+
+/// The features are there, and subgroups are exactly 32 wide (the kernel's strips assume it), on
+/// Vulkan (whose cooperative matrices the kernel's 16x16 f16 shape was checked against).
+fn coop_usable(features: ::wgpu::Features, info: &::wgpu::AdapterInfo) -> bool {
+    features.contains(COOP_FEATURES)
+        && info.subgroup_min_size == 32
+        && info.subgroup_max_size == 32
+        && info.backend == ::wgpu::Backend::Vulkan
 }
 
 /// The `wgpu` backend.
@@ -171,8 +200,20 @@ impl WgpuBackend {
     /// The backend on a caller's device and queue (a model that already has them shares them).
     /// Each call makes a new backend [`Device`] id: tensors of one such backend are not accepted
     /// by another, even over the same `wgpu::Device`.
+    ///
+    /// The cooperative-matrix kernel serves f16 prefill on this device when the caller opened it
+    /// with `EXPERIMENTAL_COOPERATIVE_MATRIX`, `SHADER_F16` and `SUBGROUP` on a Vulkan adapter
+    /// with 32-wide subgroups (and `ATTNKIT_WGPU_COOP` is not `off`); the caller vouches that the
+    /// adapter offers 16x16x16 f16 matrices, which [`::wgpu::Adapter::cooperative_matrix_properties`]
+    /// tells.
     pub fn from_device(device: ::wgpu::Device, queue: ::wgpu::Queue) -> Self {
-        Self::with_ctx(Arc::new(Ctx::new(device, queue, "caller device".into())))
+        let coop = coop_allowed() && coop_usable(device.features(), &device.adapter_info());
+        Self::with_ctx(Arc::new(Ctx::new(device, queue, "caller device".into(), coop)))
+    }
+
+    /// Whether the cooperative-matrix kernel is available on this device.
+    pub fn has_cooperative_matrices(&self) -> bool {
+        self.ctx.coop
     }
 
     fn with_ctx(ctx: Arc<Ctx>) -> Self {

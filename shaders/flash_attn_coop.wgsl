@@ -1,0 +1,451 @@
+// Flash attention on cooperative matrices (tensor cores through Vulkan's
+// VK_KHR_cooperative_matrix, Apple's simdgroup matrices through Metal), f16 only.
+//
+// Chosen at run time when the adapter offers 16x16x16 f16 x f16 -> f32 matrices at subgroup
+// scope with subgroups of exactly 32 invocations; the portable kernels serve everything else.
+//
+// One workgroup owns BQ = 16 * NW consecutive queries of one query head; subgroup s owns the
+// 16-row strip s. Per tile of BK keys:
+//   1. the K and V tiles (prefetched into registers during the previous tile) are stored as f16
+//      into workgroup memory; the next tile's loads are issued;
+//   2. S = Q K^T on the matrices (Q stays in registers as A matrices for the whole loop), stored
+//      to the subgroup's scratch rows;
+//   3. softmax: two invocations per row, each over half the tile's keys (one shuffle joins
+//      them). The row keeps a reference max m and rescales its output only when a score exceeds
+//      m + TAU (then m moves to the tile max): P = exp(S - m) <= e^TAU fits f16, and most tiles
+//      need no rescale. A workgroup-wide flag says whether any row moved its m; only then the
+//      output matrices go through the scratch rows to be scaled;
+//   4. O += P V on the matrices.
+// `coopLoad` reads column-major, `coopLoadT` row-major (element (r, c) at r * stride + c).
+//
+// The host specialises the lines marked `@spec` before compiling; the layout, masks and
+// metadata are those of flash_attn.wgsl.
+
+enable f16;
+enable wgpu_cooperative_matrix;
+
+const D: u32 = 128u; // @spec head dim, a multiple of 16
+const NW: u32 = 4u; // @spec subgroups of 32 per workgroup
+const BK: u32 = 32u; // @spec keys per tile, a multiple of 16, at least 8 * NW
+
+const BQ: u32 = 16u * NW;
+const WG: u32 = 32u * NW;
+const D4: u32 = D / 4u;
+const DM: u32 = D / 16u; // matrices along d
+const KM: u32 = BK / 16u; // matrices along the keys of a tile
+const KS: u32 = D + 8u; // f16 row stride of the K, V (and Q) rows in `kvs`
+const SS: u32 = BK + 4u; // f32 row stride of the scratch rows
+const PS: u32 = BK + 8u; // f16 row stride of P
+const LW: u32 = (BK * D4 + WG - 1u) / WG; // 8-byte words of K (and of V) a thread loads per tile
+const HK: u32 = BK / 2u; // keys of one softmax invocation per tile
+const TAU: f32 = 8.0;
+const NEG: f32 = -3.0e38;
+const MASKED: f32 = -3.3e38;
+
+const M_HQ: u32 = 1u;
+const M_HKV: u32 = 2u;
+const M_KIND: u32 = 3u;
+const M_SQ: u32 = 4u;
+const M_SK: u32 = 5u;
+const M_TQ: u32 = 6u;
+const M_BS: u32 = 7u;
+const M_MAXB: u32 = 8u;
+const M_CAUSAL: u32 = 9u;
+const M_WL: u32 = 10u;
+const M_WR: u32 = 11u;
+const M_CAP: u32 = 12u;
+const M_SCALE: u32 = 13u;
+const M_ALIBI: u32 = 14u;
+const M_LSE: u32 = 15u;
+const M_SPLITS: u32 = 16u;
+const M_OFF_CUQ: u32 = 17u;
+const M_OFF_CUK: u32 = 18u;
+const M_OFF_BT: u32 = 19u;
+const M_OFF_ALIBI: u32 = 20u;
+
+@group(0) @binding(0) var<storage, read> qb: array<vec2<u32>>;
+@group(0) @binding(1) var<storage, read> kb: array<vec2<u32>>;
+@group(0) @binding(2) var<storage, read> vb: array<vec2<u32>>;
+@group(0) @binding(3) var<storage, read_write> ob: array<vec2<u32>>;
+@group(0) @binding(4) var<storage, read_write> lseb: array<f32>;
+@group(0) @binding(5) var<storage, read> md: array<u32>;
+@group(0) @binding(6) var<storage, read_write> part_o: array<vec4<f32>>;
+@group(0) @binding(7) var<storage, read_write> part_lse: array<f32>;
+
+// K tile (rows 0..BK) then V tile (rows BK..2BK); before the first tile, the Q tile (BQ <= 2BK).
+var<workgroup> kvs: array<f16, 2u * BK * KS>;
+// Per subgroup 16 rows: S, then pieces of O.
+var<workgroup> ss: array<f32, NW * 16u * SS>;
+// Per subgroup 16 rows: P.
+var<workgroup> ps: array<f16, NW * 16u * PS>;
+// Per row: this tile's rescale factor; at the end 1 / l.
+var<workgroup> al: array<f32, BQ>;
+var<workgroup> flag: atomic<u32>;
+var<workgroup> u_range: vec2<i32>;
+
+// Integer test, so that no finite-math assumption of a compiler can remove it.
+fn finite4(x: vec4<f32>) -> vec4<f32> {
+    let bad = (bitcast<vec4<u32>>(x) & vec4<u32>(0x7f800000u)) == vec4<u32>(0x7f800000u);
+    return select(x, vec4<f32>(0.0), bad);
+}
+
+fn put4(i: u32, w: vec2<u32>) {
+    // Exact: every value came from f16.
+    let a = vec2<f16>(unpack2x16float(w.x));
+    let b = vec2<f16>(unpack2x16float(w.y));
+    kvs[i] = a.x;
+    kvs[i + 1u] = a.y;
+    kvs[i + 2u] = b.x;
+    kvs[i + 3u] = b.y;
+}
+
+struct Seq {
+    q0: u32,
+    ql: u32,
+    k0: u32,
+    kl: u32,
+}
+
+fn seq_of(b: u32) -> Seq {
+    let kind = md[M_KIND];
+    if (kind == 0u) {
+        let sq = md[M_SQ];
+        let sk = md[M_SK];
+        return Seq(b * sq, sq, b * sk, sk);
+    }
+    let cq = md[M_OFF_CUQ];
+    let ck = md[M_OFF_CUK];
+    let q0 = md[cq + b];
+    let ql = md[cq + b + 1u] - q0;
+    if (kind == 1u) {
+        let k0 = md[ck + b];
+        return Seq(q0, ql, k0, md[ck + b + 1u] - k0);
+    }
+    return Seq(q0, ql, 0u, md[ck + b]);
+}
+
+// Where the kv tokens of one sequence are, read from the metadata once per workgroup.
+struct Kv {
+    paged: bool,
+    pow2: bool, // block size a power of two: shift and mask instead of a division
+    sh: u32,
+    bs: u32,
+    bt: u32, // first block-table entry of the sequence in md
+    k0: u32,
+}
+
+fn kv_of(b: u32, s: Seq) -> Kv {
+    let bs = max(md[M_BS], 1u);
+    return Kv(md[M_KIND] == 2u, (bs & (bs - 1u)) == 0u, countTrailingZeros(bs), bs, md[M_OFF_BT] + b * md[M_MAXB], s.k0);
+}
+
+// Row of kv token `t` in k/v seen as [rows, Hkv, D].
+fn k_row(kvl: Kv, t: u32) -> u32 {
+    if (kvl.paged) {
+        if (kvl.pow2) {
+            return (md[kvl.bt + (t >> kvl.sh)] << kvl.sh) | (t & (kvl.bs - 1u));
+        }
+        return md[kvl.bt + t / kvl.bs] * kvl.bs + t % kvl.bs;
+    }
+    return kvl.k0 + t;
+}
+
+// [lo, hi) of keys visible to query i of the sequence; lo == hi when none.
+fn key_range(i: u32, s: Seq) -> vec2<i32> {
+    let ia = i32(i) + i32(s.kl) - i32(s.ql);
+    var lo = 0;
+    var hi = i32(s.kl);
+    if (md[M_CAUSAL] != 0u) {
+        hi = min(hi, ia + 1);
+    }
+    let wl = bitcast<i32>(md[M_WL]);
+    if (wl >= 0) {
+        lo = max(lo, ia - wl);
+    }
+    let wr = bitcast<i32>(md[M_WR]);
+    if (wr >= 0) {
+        hi = min(hi, ia + wr + 1);
+    }
+    if (hi <= lo) {
+        return vec2<i32>(0, 0);
+    }
+    return vec2<i32>(lo, hi);
+}
+
+
+@compute @workgroup_size(WG)
+fn main(
+    @builtin(workgroup_id) wid: vec3<u32>,
+    @builtin(local_invocation_index) tid: u32,
+    @builtin(subgroup_id) sg: u32,
+    @builtin(subgroup_invocation_id) lane: u32,
+) {
+    let splits = md[M_SPLITS];
+    let b = wid.z / splits;
+    let split = wid.z % splits;
+    let h = wid.y;
+    let hq = md[M_HQ];
+    let hkv = md[M_HKV];
+    let g = hq / hkv;
+    let kh = h / g;
+    let s = seq_of(b);
+    let kvi = kv_of(b, s);
+    let i0 = wid.x * BQ;
+
+    // Union of the visible key intervals of the tile's rows.
+    var lo_u = i32(s.kl);
+    var hi_u = 0;
+    for (var rr = 0u; rr < BQ; rr++) {
+        if (i0 + rr < s.ql) {
+            let kr = key_range(i0 + rr, s);
+            if (kr.x < kr.y) {
+                lo_u = min(lo_u, kr.x);
+                hi_u = max(hi_u, kr.y);
+            }
+        }
+    }
+    var st = lo_u;
+    var en = hi_u;
+    if (splits > 1u && hi_u > lo_u) {
+        let tiles = (u32(hi_u - lo_u) + BK - 1u) / BK;
+        let per = (tiles + splits - 1u) / splits;
+        st = lo_u + i32(split * per * BK);
+        en = min(hi_u, st + i32(per * BK));
+    }
+    // The cooperative operations need control flow that is uniform across the workgroup, and
+    // to the shader compiler a value read from a storage buffer is not: the key range goes
+    // through workgroup memory. A workgroup past the sequence's end computes nothing (and stores
+    // nothing: every store below is guarded by the row).
+    if (tid == 0u) {
+        u_range = vec2<i32>(st, select(st, en, i0 < s.ql));
+    }
+    let range = workgroupUniformLoad(&u_range);
+    let start = range.x;
+    let end = range.y;
+
+    // This invocation's softmax row (of the workgroup's BQ) and half of the tile's keys.
+    let r = sg * 16u + lane / 2u;
+    let half = lane % 2u;
+    let i = i0 + r;
+    var kr = vec2<i32>(0, 0);
+    var slope = 0.0;
+    if (i < s.ql) {
+        kr = key_range(i, s);
+        if (md[M_ALIBI] != 0u) {
+            slope = bitcast<f32>(md[md[M_OFF_ALIBI] + h]);
+        }
+    }
+    let lo = max(kr.x, start);
+    let hi = min(kr.y, end);
+    let ia = i32(i) + i32(s.kl) - i32(s.ql);
+    let scale = bitcast<f32>(md[M_SCALE]);
+    let cap = bitcast<f32>(md[M_CAP]);
+    let srow = sg * 16u * SS + (lane / 2u) * SS; // this row in the scratch
+    let prow = sg * 16u * PS + (lane / 2u) * PS; // this row of P
+
+    // Q tile through `kvs` into A matrices.
+    for (var it = 0u; it < (BQ * D4 + WG - 1u) / WG; it++) {
+        let x = tid + it * WG;
+        if (x < BQ * D4) {
+            let rr = x / D4;
+            var w = vec2<u32>(0u);
+            if (i0 + rr < s.ql) {
+                w = qb[((s.q0 + i0 + rr) * hq + h) * D4 + x % D4];
+            }
+            put4(rr * KS + (x % D4) * 4u, w);
+        }
+    }
+    workgroupBarrier();
+    var qa: array<coop_mat16x16<f16, A>, DM>;
+    var o: array<coop_mat16x16<f32, C>, DM>;
+    for (var n = 0u; n < DM; n++) {
+        qa[n] = coopLoadT<coop_mat16x16<f16, A>>(&kvs[sg * 16u * KS + n * 16u], KS);
+        o[n] = coop_mat16x16<f32, C>();
+    }
+    workgroupBarrier(); // the Q tile is read before K and V overwrite it
+
+    // K and V words of the first tile.
+    var kw: array<vec2<u32>, LW>;
+    var vw: array<vec2<u32>, LW>;
+    for (var it = 0u; it < LW; it++) {
+        let x = tid + it * WG;
+        let j = start + i32(x / D4);
+        var a = vec2<u32>(0u);
+        var c = vec2<u32>(0u);
+        if (x < BK * D4 && j < end) {
+            let e = (k_row(kvi, u32(j)) * hkv + kh) * D4 + x % D4;
+            a = kb[e];
+            c = vb[e];
+        }
+        kw[it] = a;
+        vw[it] = c;
+    }
+
+    var m = NEG;
+    var l = 0.0;
+    for (var j0 = start; j0 < end; j0 += i32(BK)) {
+        // 1. This tile into workgroup memory; the next tile's loads in flight.
+        for (var it = 0u; it < LW; it++) {
+            let x = tid + it * WG;
+            if (x < BK * D4) {
+                let off = (x / D4) * KS + (x % D4) * 4u;
+                put4(off, kw[it]);
+                let v = finite4(vec4<f32>(unpack2x16float(vw[it].x), unpack2x16float(vw[it].y)));
+                put4(BK * KS + off, vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw)));
+            }
+        }
+        if (tid == 0u) {
+            atomicStore(&flag, 0u);
+        }
+        workgroupBarrier();
+        let jn = j0 + i32(BK);
+        for (var it = 0u; it < LW; it++) {
+            let x = tid + it * WG;
+            let j = jn + i32(x / D4);
+            var a = vec2<u32>(0u);
+            var c = vec2<u32>(0u);
+            if (x < BK * D4 && j < end) {
+                let e = (k_row(kvi, u32(j)) * hkv + kh) * D4 + x % D4;
+                a = kb[e];
+                c = vb[e];
+            }
+            kw[it] = a;
+            vw[it] = c;
+        }
+
+        // 2. S = Q K^T. K^T as a column-major B matrix: element (d, j) at kvs[j * KS + d].
+        for (var kb2 = 0u; kb2 < KM; kb2++) {
+            var acc = coop_mat16x16<f32, C>();
+            for (var n = 0u; n < DM; n++) {
+                let kt = coopLoad<coop_mat16x16<f16, B>>(&kvs[kb2 * 16u * KS + n * 16u], KS);
+                acc = coopMultiplyAdd(qa[n], kt, acc);
+            }
+            coopStoreT(acc, &ss[sg * 16u * SS + kb2 * 16u], SS);
+        }
+        workgroupBarrier();
+
+        // 3. Softmax over this invocation's half of the row.
+        var sc: array<f32, HK>;
+        var mt = NEG;
+        for (var n = 0u; n < HK; n++) {
+            let jj = half * HK + n;
+            let j = j0 + i32(jj);
+            var x = scale * ss[srow + jj];
+            if (cap > 0.0) {
+                let y = x / cap;
+                let z = exp(-2.0 * abs(y));
+                x = cap * sign(y) * (1.0 - z) / (1.0 + z);
+            }
+            x -= slope * f32(abs(ia - j));
+            // A select, not arithmetic: a NaN score of a masked key is dropped here.
+            x = select(MASKED, x, j >= lo && j < hi);
+            sc[n] = x;
+            mt = max(mt, x);
+        }
+        mt = max(mt, subgroupShuffleXor(mt, 1u));
+        var alpha = 1.0;
+        if (mt > m + TAU) {
+            alpha = exp(m - mt);
+            m = mt;
+            atomicOr(&flag, 1u);
+        }
+        var sum = 0.0;
+        for (var n = 0u; n < HK; n++) {
+            let x = sc[n];
+            let p = select(0.0, exp(x - m), x > MASKED);
+            sum += p;
+            ps[prow + half * HK + n] = f16(p);
+        }
+        l = l * alpha + sum;
+        if (half == 0u) {
+            al[r] = alpha;
+        }
+        // A barrier too: P and the factors are written.
+        let rescale = workgroupUniformLoad(&flag);
+        if (rescale != 0u) {
+            for (var q = 0u; q < DM / KM; q++) {
+                for (var n = 0u; n < KM; n++) {
+                    coopStoreT(o[q * KM + n], &ss[sg * 16u * SS + n * 16u], SS);
+                }
+                workgroupBarrier();
+                for (var e = 0u; e < 16u * BK / 32u; e++) {
+                    let idx = lane + e * 32u;
+                    let rr = idx / BK;
+                    let at = sg * 16u * SS + rr * SS + idx % BK;
+                    ss[at] = ss[at] * al[sg * 16u + rr];
+                }
+                workgroupBarrier();
+                for (var n = 0u; n < KM; n++) {
+                    o[q * KM + n] = coopLoadT<coop_mat16x16<f32, C>>(&ss[sg * 16u * SS + n * 16u], SS);
+                }
+                workgroupBarrier();
+            }
+        }
+
+        // 4. O += P V. V as a row-major B matrix: element (j, d) at kvs[(BK + j) * KS + d].
+        for (var kb2 = 0u; kb2 < KM; kb2++) {
+            let pa = coopLoadT<coop_mat16x16<f16, A>>(&ps[sg * 16u * PS + kb2 * 16u], PS);
+            for (var n = 0u; n < DM; n++) {
+                let vm = coopLoadT<coop_mat16x16<f16, B>>(&kvs[(BK + kb2 * 16u) * KS + n * 16u], KS);
+                o[n] = coopMultiplyAdd(pa, vm, o[n]);
+            }
+        }
+        workgroupBarrier(); // the tile, S and P are consumed
+    }
+
+    // Epilogue: 1 / l per row, then O through the scratch rows, BK columns at a time.
+    let lt = l + subgroupShuffleXor(l, 1u);
+    if (half == 0u) {
+        var inv = 0.0;
+        if (lt > 0.0) {
+            inv = 1.0 / lt;
+        }
+        al[r] = inv;
+        if (i < s.ql) {
+            let row = s.q0 + i;
+            if (splits == 1u) {
+                if (md[M_LSE] != 0u) {
+                    var lv = bitcast<f32>(0xff800000u); // -inf
+                    if (lt > 0.0) {
+                        lv = m + log(lt);
+                    }
+                    var li = h * md[M_TQ] + row;
+                    if (md[M_KIND] == 0u) {
+                        li = (b * hq + h) * md[M_SQ] + i;
+                    }
+                    lseb[li] = lv;
+                }
+            } else {
+                var lv = NEG;
+                if (lt > 0.0) {
+                    lv = m + log(lt);
+                }
+                part_lse[(split * md[M_TQ] + row) * hq + h] = lv;
+            }
+        }
+    }
+    for (var q = 0u; q < DM / KM; q++) {
+        for (var n = 0u; n < KM; n++) {
+            coopStoreT(o[q * KM + n], &ss[sg * 16u * SS + n * 16u], SS);
+        }
+        workgroupBarrier();
+        for (var e = 0u; e < 16u * BK / 128u; e++) {
+            let idx = lane + e * 32u;
+            let rr = idx / (BK / 4u);
+            let c4 = idx % (BK / 4u);
+            let at = sg * 16u * SS + rr * SS + c4 * 4u;
+            let ii = i0 + sg * 16u + rr;
+            if (ii < s.ql) {
+                let v = vec4<f32>(ss[at], ss[at + 1u], ss[at + 2u], ss[at + 3u]) * al[sg * 16u + rr];
+                let row = s.q0 + ii;
+                let col4 = q * (BK / 4u) + c4;
+                if (splits == 1u) {
+                    ob[(row * hq + h) * D4 + col4] = vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw));
+                } else {
+                    part_o[((split * md[M_TQ] + row) * hq + h) * D4 + col4] = v;
+                }
+            }
+        }
+        workgroupBarrier();
+    }
+}
