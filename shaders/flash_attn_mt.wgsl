@@ -60,10 +60,10 @@ const M_OFF_ALIBI: u32 = 20u;
 
 var<workgroup> qt: array<vec4<f32>, D * QG>; // [d][row group]
 var<workgroup> kv: array<vec4<f32>, D * KG>; // K as [d][key group], then V as [key][d/4]
-var<workgroup> pt: array<vec4<f32>, BK * QG>; // S, then P, as [key][row group]
-var<workgroup> alpha_s: array<f32, BQ>;
-var<workgroup> l_s: array<f32, BQ>;
-var<workgroup> m_s: array<f32, BQ>;
+var<workgroup> pt: array<vec4<f32>, BK * QG>; // P as [key][row group]
+// Per (key group, row group): the 4 rows' maxima over the block's 4 keys; at the end, the rows'
+// partial sums.
+var<workgroup> red: array<vec4<f32>, KG * QG>;
 
 fn bf16x2(w: u32) -> vec2<f32> {
     return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xffff0000u));
@@ -284,16 +284,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
     }
 
-    // Softmax state of row `tid` (threads tid < BQ).
-    var m = NEG;
-    var l = 0.0;
+    // Softmax state of this thread's 4 rows (the same in every thread of the row group) and its
+    // part of their sums (over the keys of its key group).
+    var m = vec4<f32>(NEG);
+    var l = vec4<f32>(0.0);
     var o: array<vec4<f32>, 4 * NV>;
     for (var c = 0u; c < 4u * NV; c++) {
         o[c] = vec4<f32>(0.0);
     }
 
     for (var j0 = start; j0 < end; j0 += i32(BK)) {
-        workgroupBarrier(); // kv and pt are free (and the Q tile is written)
+        workgroupBarrier(); // kv, pt and red are free (and the Q tile is written)
         // K tile, transposed: kv[d][key group].
         // A constant trip count, so that the compiler can unroll and keep several loads in flight.
         for (var it = 0u; it < (KG * D4 + WG - 1u) / WG; it++) {
@@ -331,8 +332,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             acc[2] += a.z * kk;
             acc[3] += a.w * kk;
         }
-        var sc: array<vec4<f32>, 4>; // sc[key] over 4 rows, for the transposed store
+        var sc: array<vec4<f32>, 4>; // sc[row] over 4 keys
+        var bm = vec4<f32>(NEG); // the rows' maxima over this block's keys
         for (var ri = 0u; ri < 4u; ri++) {
+            var row = vec4<f32>(MASKED);
             for (var kj = 0u; kj < 4u; kj++) {
                 let j = j0 + i32(tx * 4u + kj);
                 var x = scale * acc[ri][kj];
@@ -342,18 +345,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     x = cap * sign(y) * (1.0 - z) / (1.0 + z);
                 }
                 x -= sl4[ri] * f32(abs(ia4[ri] - j));
-                if (j < lo4[ri] || j >= hi4[ri]) {
-                    x = MASKED;
-                }
-                sc[kj][ri] = x;
+                // A select, not arithmetic: a NaN score of a masked key is dropped here.
+                row[kj] = select(MASKED, x, j >= lo4[ri] && j < hi4[ri]);
             }
+            sc[ri] = row;
+            bm[ri] = max(max(row.x, row.y), max(row.z, row.w));
         }
-        for (var kj = 0u; kj < 4u; kj++) {
-            pt[(tx * 4u + kj) * QG + ty] = sc[kj];
-        }
-        workgroupBarrier(); // scores complete; K is consumed
+        red[tx * QG + ty] = max(bm, vec4<f32>(NEG));
+        workgroupBarrier(); // the block maxima are written; K is consumed
 
-        // V tile, row-major, into the same buffer; meanwhile one thread per row does the softmax.
+        // V tile, row-major, into the same buffer.
         // A constant trip count, so that the compiler can unroll and keep several loads in flight.
         for (var it = 0u; it < (BK * D4 + WG - 1u) / WG; it++) {
             let x = tid + it * WG;
@@ -366,33 +367,36 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 kv[x] = val;
             }
         }
-        for (var r = tid; r < BQ; r += WG) {
-            let rg = r / 4u;
-            let rc = r % 4u;
-            var mt = NEG;
-            for (var jj = 0u; jj < BK; jj++) {
-                mt = max(mt, pt[jj * QG + rg][rc]);
-            }
-            let m_new = max(m, mt);
-            let al = exp(m - m_new);
-            var sum = 0.0;
-            for (var jj = 0u; jj < BK; jj++) {
-                let x = pt[jj * QG + rg][rc];
-                var pj = 0.0;
-                if (x > MASKED) {
-                    pj = exp(x - m_new);
-                }
-                sum += pj;
-                pt[jj * QG + rg][rc] = pj;
-            }
-            l = l * al + sum;
-            m = m_new;
-            alpha_s[r] = al;
+        // Every thread of a row group computes the same new maxima and factors; each exponentiates
+        // its own 16 scores.
+        var mt = vec4<f32>(NEG);
+        for (var g2 = 0u; g2 < KG; g2++) {
+            mt = max(mt, red[g2 * QG + ty]);
         }
-        workgroupBarrier();
+        let m_new = max(m, mt);
+        let al = exp(m - m_new);
+        m = m_new;
+        var ps = vec4<f32>(0.0);
+        var pk: array<vec4<f32>, 4>; // pk[key] over 4 rows, for the transposed store
+        for (var kj = 0u; kj < 4u; kj++) {
+            pk[kj] = vec4<f32>(0.0);
+        }
+        for (var ri = 0u; ri < 4u; ri++) {
+            let row = sc[ri];
+            let e = select(vec4<f32>(0.0), exp(row - vec4<f32>(m_new[ri])), row > vec4<f32>(MASKED));
+            ps[ri] = e.x + e.y + e.z + e.w;
+            pk[0][ri] = e.x;
+            pk[1][ri] = e.y;
+            pk[2][ri] = e.z;
+            pk[3][ri] = e.w;
+        }
+        l = l * al + ps;
+        for (var kj = 0u; kj < 4u; kj++) {
+            pt[(tx * 4u + kj) * QG + ty] = pk[kj];
+        }
+        workgroupBarrier(); // P and the V tile are written
 
         // O block += P V: rows 4ty.., vec4 columns tx, tx + KG, ...
-        let al = vec4<f32>(alpha_s[ty * 4u], alpha_s[ty * 4u + 1u], alpha_s[ty * 4u + 2u], alpha_s[ty * 4u + 3u]);
         for (var n = 0u; n < NV; n++) {
             o[n] *= al.x;
             o[NV + n] *= al.y;
@@ -414,12 +418,14 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
     }
 
-    // Row statistics to the threads that write the rows.
-    for (var r = tid; r < BQ; r += WG) {
-        l_s[r] = l;
-        m_s[r] = m;
-    }
+    // The rows' sums: every key group's part, added up.
     workgroupBarrier();
+    red[tx * QG + ty] = l;
+    workgroupBarrier();
+    var lt = vec4<f32>(0.0);
+    for (var g2 = 0u; g2 < KG; g2++) {
+        lt += red[g2 * QG + ty];
+    }
 
     for (var ri = 0u; ri < 4u; ri++) {
         let r = ty * 4u + ri;
@@ -429,8 +435,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let i = p / g;
             let h = kh * g + p % g;
             let row = s.q0 + i;
-            let lr = l_s[r];
-            let mr = m_s[r];
+            let lr = lt[ri];
+            let mr = m[ri];
             var inv = 0.0;
             if (lr > 0.0) {
                 inv = 1.0 / lr;

@@ -71,8 +71,8 @@ fn wg_bytes(p: &Plan, d: usize, wpc: usize) -> usize {
         Kernel::Rows => {
             p.bq * d * 4 + p.bk * (d / 4 * wpc + 1) * 8 + 2 * p.bq * p.bk * 4 + p.bq * 16 + p.nks * p.bq * 8
         }
-        // Q^T, K^T-then-V, P^T, and three row vectors.
-        Kernel::MicroTile => (p.bq * d + p.bk * d + p.bk * p.bq) * 4 + 12 * p.bq,
+        // Q^T, K^T-then-V, P^T, and a vec4 per (key group, row group) for the row maxima and sums.
+        Kernel::MicroTile => (p.bq * d + p.bk * d + p.bk * p.bq) * 4 + p.bk * p.bq,
         // K and V tiles in f16 (rows padded by 8), each subgroup's f32 scratch rows (padded by
         // 4) and f16 P rows (padded by 8), a factor per row, the flag and the key range.
         Kernel::Coop => {
