@@ -153,7 +153,7 @@ fn bench() {
         wgpu.capabilities().head_dims
     );
     let cuda = attnkit::by_name("cuda").ok();
-    // The other kernel variant on the first prefill and decode shapes, for the notes.
+    // The other kernel variant on the f16 prefill and MHA decode shapes, for the notes.
     let mut rows = wgpu.clone();
     rows.set_kernel(Some(attnkit::wgpu::Kernel::Rows));
     let mut mt = wgpu.clone();
@@ -170,7 +170,8 @@ fn bench() {
             }
         };
         let tc = cuda.as_ref().and_then(|c| time(&**c, s, &mut rng).ok());
-        let other = if s.block == 0 { &rows } else { &mt };
+        // Prefill: the portable micro-tile kernel where the default is the cooperative-matrix one.
+        let other = if s.block != 0 || wgpu.has_cooperative_matrices() { &mt } else { &rows };
         let to = if s.dtype == DType::F16 && !s.causal || s.hkv == 32 { time(other, s, &mut rng).ok() } else { None };
         eprintln!(
             "| {} | {:.3} | {:.2} | {:.0} | {} | {} | {} |",
