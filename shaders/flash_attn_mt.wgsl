@@ -5,7 +5,9 @@
 // 4-row block of the output, so every workgroup-memory load feeds 4 (scores) or 4*NV (output)
 // FMAs instead of one:
 //   S = Q K^T:  Q and K tiles are stored transposed ([d][4 rows] vec4), outer products over d;
-//   softmax:    one thread per row, over the tile's scores, writes P (transposed) and alpha;
+//   softmax:    each thread on its own 4x4 scores: the block maxima meet in workgroup memory,
+//               every thread of a row group then derives the same new maxima and factors, and
+//               writes its P block (transposed); the row sums are added up once at the end;
 //   O += P V:   P read as [key][4 rows] vec4, V as [key][d] vec4.
 // K and V share one workgroup buffer (K is consumed before V is loaded), which is what makes
 // 32x32 tiles of head dim 128 fit 48 KiB.
