@@ -161,7 +161,9 @@ fn bench() {
     let mut rng = Rng::new(1);
     eprintln!("| shape | wgpu ms | wgpu TFLOP/s | wgpu KV GB/s | cuda ms | wgpu/cuda time | other wgpu kernel ms |");
     eprintln!("|---|---|---|---|---|---|---|");
-    for s in &shapes {
+    // `ATTNKIT_BENCH_ONLY=text`: only the shapes whose name contains it (for tuning sweeps).
+    let only = std::env::var("ATTNKIT_BENCH_ONLY").unwrap_or_default();
+    for s in shapes.iter().filter(|s| s.name().contains(&only)) {
         let tw = match time(&wgpu, s, &mut rng) {
             Ok(t) => t,
             Err(e) => {

@@ -116,10 +116,28 @@ fn coop_plan(d: usize, limit: u32) -> Option<Plan> {
     if !d.is_multiple_of(32) || d > super::MAX_HEAD_DIM {
         return None;
     }
-    [(4, 32), (2, 32)]
+    let ok = |&(nw, bk): &(usize, usize)| {
+        (1..=8).contains(&nw) && bk.is_multiple_of(16) && bk >= 8 * nw && d.is_multiple_of(bk)
+    };
+    coop_tile_override()
+        .filter(ok)
         .into_iter()
+        .chain([(4, 32), (2, 32)])
+        .filter(ok)
         .map(|(nw, bk)| Plan { kernel: Kernel::Coop, bq: 16 * nw, bk, nks: nw })
         .find(|p| wg_bytes(p, d, 1) <= limit as usize)
+}
+
+/// `ATTNKIT_WGPU_COOP_TILE=NW,BK` (subgroups, key tile), read once: a tuning knob for the
+/// cooperative-matrix kernel. A tile the kernel cannot take (BK a multiple of 16, at least 8 NW,
+/// dividing the head dim) or that does not fit the workgroup memory is passed over.
+fn coop_tile_override() -> Option<(usize, usize)> {
+    static TILE: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
+    *TILE.get_or_init(|| {
+        let v = std::env::var("ATTNKIT_WGPU_COOP_TILE").ok()?;
+        let (a, b) = v.split_once(',')?;
+        Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
+    })
 }
 
 /// Whether the coop kernel can serve a call of this dtype and head dim on this device.
