@@ -147,15 +147,32 @@ fn open_default() -> Result<Ctx> {
             use ::wgpu::CooperativeScalarType as T;
             (p.m_size, p.n_size, p.k_size) == (16, 16, 16) && p.ab_type == T::F16 && p.cr_type == T::F32
         });
-    let desc = ::wgpu::DeviceDescriptor {
-        label: Some("attnkit"),
-        required_features: if coop { COOP_FEATURES } else { ::wgpu::Features::empty() },
-        // Everything the adapter offers: larger workgroup memory means larger tiles and head dims.
-        required_limits: adapter.limits(),
-        ..Default::default()
+    let open = |coop: bool| {
+        let desc = ::wgpu::DeviceDescriptor {
+            label: Some("attnkit"),
+            required_features: if coop { COOP_FEATURES } else { ::wgpu::Features::empty() },
+            // Everything the adapter offers: larger workgroup memory means larger tiles and head dims.
+            required_limits: adapter.limits(),
+            experimental_features: if coop {
+                // SAFETY: the token admits wgpu's experimental cooperative-matrix feature, which
+                // may have bugs of its own; we use it only in the one kernel built for it
+                // (shaders/flash_attn_coop.wgsl), only where the adapter reports the 16x16x16 f16
+                // matrices that kernel uses, and `ATTNKIT_WGPU_COOP=off` leaves it out entirely.
+                unsafe { ::wgpu::ExperimentalFeatures::enabled() }
+            } else {
+                ::wgpu::ExperimentalFeatures::disabled()
+            },
+            ..Default::default()
+        };
+        pollster::block_on(adapter.request_device(&desc))
     };
-    let (device, queue) = pollster::block_on(adapter.request_device(&desc))
-        .map_err(|e| no_device(format!("adapter {} would not open a device: {e}", info.name)))?;
+    // A device with cooperative matrices, else (if that is refused) a plain one.
+    let (opened, coop) = match coop.then(|| open(true)) {
+        Some(Ok(d)) => (Ok(d), true),
+        _ => (open(false), false),
+    };
+    let (device, queue) =
+        opened.map_err(|e| no_device(format!("adapter {} would not open a device: {e}", info.name)))?;
     // Our own device: errors are caught by scopes around each operation, never by a panic.
     device.on_uncaptured_error(Arc::new(|e| eprintln!("attnkit wgpu: uncaptured device error: {e}")));
     let name = format!("{} ({:?}{})", info.name, info.backend, if coop { ", cooperative matrices" } else { "" });
