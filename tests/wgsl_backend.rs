@@ -183,6 +183,153 @@ fn coop_kernel_matches_reference() {
     }
 }
 
+const COOP_PROBE: &str = r#"
+enable f16;
+enable wgpu_cooperative_matrix;
+@group(0) @binding(0) var<storage, read> inp: array<f32>;
+@group(0) @binding(1) var<storage, read_write> outp: array<f32>;
+var<workgroup> a: array<f16, 256>;
+var<workgroup> bm: array<f16, 256>;
+var<workgroup> c: array<f32, 256>;
+@compute @workgroup_size(32)
+fn main(@builtin(local_invocation_index) t: u32) {
+    for (var k = 0u; k < 8u; k++) {
+        a[t + 32u * k] = f16(inp[t + 32u * k]);
+        bm[t + 32u * k] = f16(inp[256u + t + 32u * k]);
+    }
+    workgroupBarrier();
+    let am = coopLoadT<coop_mat16x16<f16, A>>(&a[0], 16u);
+    let r1 = coopMultiplyAdd(am, coopLoadT<coop_mat16x16<f16, B>>(&bm[0], 16u), coop_mat16x16<f32, C>());
+    coopStoreT(r1, &c[0], 16u);
+    workgroupBarrier();
+    for (var k = 0u; k < 8u; k++) {
+        outp[t + 32u * k] = c[t + 32u * k];
+    }
+    workgroupBarrier();
+    let r2 = coopMultiplyAdd(am, coopLoad<coop_mat16x16<f16, B>>(&bm[0], 16u), coop_mat16x16<f32, C>());
+    coopStoreT(r2, &c[0], 16u);
+    workgroupBarrier();
+    for (var k = 0u; k < 8u; k++) {
+        outp[256u + t + 32u * k] = c[t + 32u * k];
+    }
+}
+"#;
+
+/// The layout conventions the cooperative-matrix kernel rests on, against a CPU matmul: with A
+/// and B row-major 16x16 in workgroup memory, `coopLoadT` (row-major) for both gives A B, and
+/// `coopLoad` (column-major) for B gives A B^T. Needs a GPU with cooperative matrices: elsewhere
+/// it says loudly that it did not run (`ATTNKIT_REQUIRE_COOP=1` makes that a failure).
+#[test]
+fn coop_layout_probe_matches_a_cpu_matmul() {
+    let Some(be) = be() else { return };
+    if !be.has_cooperative_matrices() {
+        let required = std::env::var("ATTNKIT_REQUIRE_COOP").is_ok_and(|v| v == "1");
+        assert!(!required, "ATTNKIT_REQUIRE_COOP=1, but adapter {} has no cooperative matrices", be.adapter_name());
+        eprintln!("\n*** wgpu: cooperative-matrix layout probe NOT RUN: adapter {} has none ***\n", be.adapter_name());
+        return;
+    }
+    use wgpu::util::DeviceExt;
+    let (dev, queue) = (be.wgpu_device(), be.wgpu_queue());
+    // Small integers: every product and sum is exact in f16 inputs and f32 accumulation.
+    let a: Vec<f32> = (0..256).map(|i| ((i * 7 + 3) % 11) as f32 - 5.0).collect();
+    let b: Vec<f32> = (0..256).map(|i| ((i * 5 + 1) % 13) as f32 - 6.0).collect();
+    let input: Vec<f32> = a.iter().chain(&b).copied().collect();
+    let inb = dev.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        label: None,
+        contents: bytemuck::cast_slice(&input),
+        usage: wgpu::BufferUsages::STORAGE,
+    });
+    let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
+    let outb = dev.create_buffer(&wgpu::BufferDescriptor { label: None, size: 2048, usage, mapped_at_creation: false });
+    let read = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
+    let rb =
+        dev.create_buffer(&wgpu::BufferDescriptor { label: None, size: 2048, usage: read, mapped_at_creation: false });
+    let module = dev.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some("coop probe"),
+        source: wgpu::ShaderSource::Wgsl(COOP_PROBE.into()),
+    });
+    let pipe = dev.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: None,
+        layout: None,
+        module: &module,
+        entry_point: Some("main"),
+        compilation_options: Default::default(),
+        cache: None,
+    });
+    let bg = dev.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: None,
+        layout: &pipe.get_bind_group_layout(0),
+        entries: &[
+            wgpu::BindGroupEntry { binding: 0, resource: inb.as_entire_binding() },
+            wgpu::BindGroupEntry { binding: 1, resource: outb.as_entire_binding() },
+        ],
+    });
+    let mut enc = dev.create_command_encoder(&Default::default());
+    {
+        let mut pass = enc.begin_compute_pass(&Default::default());
+        pass.set_pipeline(&pipe);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups(1, 1, 1);
+    }
+    enc.copy_buffer_to_buffer(&outb, 0, &rb, 0, 2048);
+    queue.submit([enc.finish()]);
+    rb.slice(..).map_async(wgpu::MapMode::Read, |r| r.unwrap());
+    dev.poll(wgpu::PollType::wait_indefinitely()).unwrap();
+    let got: Vec<f32> = bytemuck::cast_slice(&rb.slice(..).get_mapped_range().unwrap()).to_vec();
+    let (mut ab, mut abt) = (vec![0f32; 256], vec![0f32; 256]);
+    for i in 0..16 {
+        for j in 0..16 {
+            for k in 0..16 {
+                ab[i * 16 + j] += a[i * 16 + k] * b[k * 16 + j];
+                abt[i * 16 + j] += a[i * 16 + k] * b[j * 16 + k];
+            }
+        }
+    }
+    eprintln!(
+        "coop probe: coopLoadT B -> first row {:?}\nA B first row {:?}\nA B^T first row {:?}",
+        &got[..16],
+        &ab[..16],
+        &abt[..16]
+    );
+    eprintln!("coop probe: coopLoad B -> first row {:?}", &got[256..272]);
+    assert_eq!(&got[..256], &ab[..], "coopLoadT (row-major) A and B should give A B");
+    assert_eq!(&got[256..], &abt[..], "coopLoad (column-major) B should give A B^T");
+}
+
+/// Diagnosis of the cooperative-matrix kernel on a GPU that has them: a grid of plain cases (dense,
+/// one head, no softcap) over head dims, masks and lengths, each reported, none stopping the rest.
+/// Ignored: `--ignored --nocapture` on such a GPU; it fails if any case fails.
+#[test]
+#[ignore]
+fn coop_diagnose() {
+    let Some(mut be) = be() else { return };
+    assert!(be.has_cooperative_matrices(), "adapter {} has no cooperative matrices", be.adapter_name());
+    be.set_kernel(Some(Kernel::Coop));
+    let mut bad = 0;
+    for d in [32, 64, 128] {
+        for causal in [false, true] {
+            for (ql, kl) in [(64, 64), (64, 32), (16, 16), (102, 285), (128, 1000)] {
+                for (group, softcap) in [(1, None), (8, Some(19.0))] {
+                    let mut case = case_of(LayoutKind::Dense, DType::F16, vec![(ql, kl)]);
+                    (case.hkv, case.group, case.d) = (1, group, d);
+                    case.params.causal = causal;
+                    case.params.softcap = softcap;
+                    let r = check_against_reference(&be, &case);
+                    if r.is_err() {
+                        bad += 1;
+                    }
+                    let first = r.err().map(|e| e.lines().next().unwrap_or("").chars().take(160).collect::<String>());
+                    eprintln!(
+                        "coop d {d} causal {causal} q {ql} k {kl} group {group} softcap {softcap:?}: {}",
+                        first.unwrap_or_else(|| "ok".into())
+                    );
+                }
+            }
+        }
+    }
+    assert_eq!(bad, 0, "{bad} cases failed");
+}
+
 fn case_of(layout: LayoutKind, dtype: DType, lens: Vec<(usize, usize)>) -> Case {
     Case {
         layout,

@@ -39,8 +39,9 @@ pub enum Kernel {
     /// workgroup has 32 rows to fill (prefill).
     MicroTile,
     /// `flash_attn_coop.wgsl`: cooperative matrices (tensor cores), f16 only, head dims that are
-    /// multiples of 32. Chosen for f16 calls with 32+ queries per sequence where the device has
-    /// them ([`super::WgpuBackend::has_cooperative_matrices`]).
+    /// multiples of 32, on devices that have them ([`super::WgpuBackend::has_cooperative_matrices`]).
+    /// Not chosen by the planner unless `ATTNKIT_WGPU_COOP=on`: it failed a case of its test on
+    /// an H200 and is not yet trusted.
     Coop,
 }
 
@@ -154,7 +155,7 @@ fn plan(d: usize, dt: DType, queries: usize, g: usize, limit: u32, coop: bool, f
         Some(Kernel::Rows) => rows_plan(d, wpc, 16, limit),
         Some(Kernel::MicroTile) => mt_plan(d, limit).or_else(|| rows_plan(d, wpc, 16, limit)),
         Some(Kernel::Coop) => coop_plan(d, limit),
-        None if queries >= 32 && coop_fits(coop, dt, d) => {
+        None if queries >= 32 && coop_fits(coop, dt, d) && super::coop_auto() => {
             coop_plan(d, limit).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, rows, limit))
         }
         None if rows >= 32 => mt_plan(d, limit).or_else(|| rows_plan(d, wpc, rows, limit)),

@@ -184,9 +184,18 @@ const COOP_FEATURES: ::wgpu::Features = ::wgpu::Features::EXPERIMENTAL_COOPERATI
     .union(::wgpu::Features::SHADER_F16)
     .union(::wgpu::Features::SUBGROUP);
 
-/// `ATTNKIT_WGPU_COOP=off` keeps the cooperative-matrix kernel out (for A/B timing).
+/// `ATTNKIT_WGPU_COOP=off` keeps the cooperative-matrix kernel out entirely (the device is opened
+/// without the features).
 fn coop_allowed() -> bool {
     std::env::var("ATTNKIT_WGPU_COOP").map_or(true, |v| v != "off")
+}
+
+/// `ATTNKIT_WGPU_COOP=on` lets the planner choose the cooperative-matrix kernel by itself. Off by
+/// default: the kernel has not yet passed its test on a GPU (it failed a case on an H200), so it
+/// runs only where asked for ([`WgpuBackend::set_kernel`] with [`Kernel::Coop`], or this variable).
+pub(crate) fn coop_auto() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("ATTNKIT_WGPU_COOP").is_ok_and(|v| v == "on"))
 }
 
 /// The features are there, and subgroups are exactly 32 wide (the kernel's strips assume it), on
