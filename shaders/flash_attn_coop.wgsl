@@ -24,7 +24,7 @@
 enable f16;
 enable wgpu_cooperative_matrix;
 
-const D: u32 = 128u; // @spec head dim, a multiple of 16
+const D: u32 = 128u; // @spec head dim, a multiple of 32, at most 128
 const NW: u32 = 4u; // @spec subgroups of 32 per workgroup
 const BK: u32 = 32u; // @spec keys per tile, a multiple of 16, at least 8 * NW
 
@@ -173,13 +173,67 @@ fn key_range(i: u32, s: Seq) -> vec2<i32> {
 }
 
 
+
+// K^T block (d block n, keys of block kb2) as a column-major B matrix: (d, j) at kvs[j * KS + d].
+fn kt(kb2: u32, n: u32) -> coop_mat16x16<f16, B> {
+    return coopLoad<coop_mat16x16<f16, B>>(&kvs[kb2 * 16u * KS + n * 16u], KS);
+}
+
+// V block (keys of block kb2, d block n) as a row-major B matrix: (j, d) at kvs[(BK + j) * KS + d].
+fn vt(kb2: u32, n: u32) -> coop_mat16x16<f16, B> {
+    return coopLoadT<coop_mat16x16<f16, B>>(&kvs[(BK + kb2 * 16u) * KS + n * 16u], KS);
+}
+
+// An output matrix with each of its 16 rows scaled by the row's factor in `al`, through the
+// subgroup's scratch rows.
+fn rescaled(m: coop_mat16x16<f32, C>, sg: u32, lane: u32) -> coop_mat16x16<f32, C> {
+    coopStoreT(m, &ss[sg * 16u * SS], SS);
+    workgroupBarrier();
+    for (var e = 0u; e < 8u; e++) {
+        let idx = lane + e * 32u;
+        let rr = idx / 16u;
+        let at = sg * 16u * SS + rr * SS + idx % 16u;
+        ss[at] = ss[at] * al[sg * 16u + rr];
+    }
+    workgroupBarrier();
+    let r = coopLoadT<coop_mat16x16<f32, C>>(&ss[sg * 16u * SS], SS);
+    workgroupBarrier();
+    return r;
+}
+
+// Output columns 16n..16n+16 of the subgroup's 16 rows: through the scratch rows, times 1 / l
+// (in `al`), to the output (or the split's partial output).
+fn emit(m: coop_mat16x16<f32, C>, n: u32, sg: u32, lane: u32, i0: u32, s: Seq, h: u32, hq: u32, split: u32, splits: u32) {
+    coopStoreT(m, &ss[sg * 16u * SS], SS);
+    workgroupBarrier();
+    for (var e = 0u; e < 2u; e++) {
+        let idx = lane + e * 32u;
+        let rr = idx / 4u;
+        let c4 = idx % 4u;
+        let at = sg * 16u * SS + rr * SS + c4 * 4u;
+        let ii = i0 + sg * 16u + rr;
+        if (ii < s.ql) {
+            let v = vec4<f32>(ss[at], ss[at + 1u], ss[at + 2u], ss[at + 3u]) * al[sg * 16u + rr];
+            let row = s.q0 + ii;
+            let col4 = n * 4u + c4;
+            if (splits == 1u) {
+                ob[(row * hq + h) * D4 + col4] = vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw));
+            } else {
+                part_o[((split * md[M_TQ] + row) * hq + h) * D4 + col4] = v;
+            }
+        }
+    }
+    workgroupBarrier();
+}
+
 @compute @workgroup_size(WG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
     @builtin(local_invocation_index) tid: u32,
-    @builtin(subgroup_id) sg: u32,
-    @builtin(subgroup_invocation_id) lane: u32,
 ) {
+    // Subgroups are 32 wide (the host checks), and numbered along the invocation index.
+    let sg = tid / 32u;
+    let lane = tid % 32u;
     let splits = md[M_SPLITS];
     let b = wid.z / splits;
     let split = wid.z % splits;
@@ -256,12 +310,32 @@ fn main(
         }
     }
     workgroupBarrier();
-    var qa: array<coop_mat16x16<f16, A>, DM>;
-    var o: array<coop_mat16x16<f32, C>, DM>;
-    for (var n = 0u; n < DM; n++) {
-        qa[n] = coopLoadT<coop_mat16x16<f16, A>>(&kvs[sg * 16u * KS + n * 16u], KS);
-        o[n] = coop_mat16x16<f32, C>();
-    }
+    // Q (A matrices) and O (accumulators) as named matrices, not arrays of them (at most 8 each:
+    // D <= 128).
+    var q0 = coop_mat16x16<f16, A>();
+    var q1 = coop_mat16x16<f16, A>();
+    var q2 = coop_mat16x16<f16, A>();
+    var q3 = coop_mat16x16<f16, A>();
+    var q4 = coop_mat16x16<f16, A>();
+    var q5 = coop_mat16x16<f16, A>();
+    var q6 = coop_mat16x16<f16, A>();
+    var q7 = coop_mat16x16<f16, A>();
+    var o0 = coop_mat16x16<f32, C>();
+    var o1 = coop_mat16x16<f32, C>();
+    var o2 = coop_mat16x16<f32, C>();
+    var o3 = coop_mat16x16<f32, C>();
+    var o4 = coop_mat16x16<f32, C>();
+    var o5 = coop_mat16x16<f32, C>();
+    var o6 = coop_mat16x16<f32, C>();
+    var o7 = coop_mat16x16<f32, C>();
+    q0 = coopLoadT<coop_mat16x16<f16, A>>(&kvs[sg * 16u * KS + 0u * 16u], KS);
+    if (DM > 1u) { q1 = coopLoadT<coop_mat16x16<f16, A>>(&kvs[sg * 16u * KS + 1u * 16u], KS); }
+    if (DM > 2u) { q2 = coopLoadT<coop_mat16x16<f16, A>>(&kvs[sg * 16u * KS + 2u * 16u], KS); }
+    if (DM > 3u) { q3 = coopLoadT<coop_mat16x16<f16, A>>(&kvs[sg * 16u * KS + 3u * 16u], KS); }
+    if (DM > 4u) { q4 = coopLoadT<coop_mat16x16<f16, A>>(&kvs[sg * 16u * KS + 4u * 16u], KS); }
+    if (DM > 5u) { q5 = coopLoadT<coop_mat16x16<f16, A>>(&kvs[sg * 16u * KS + 5u * 16u], KS); }
+    if (DM > 6u) { q6 = coopLoadT<coop_mat16x16<f16, A>>(&kvs[sg * 16u * KS + 6u * 16u], KS); }
+    if (DM > 7u) { q7 = coopLoadT<coop_mat16x16<f16, A>>(&kvs[sg * 16u * KS + 7u * 16u], KS); }
     workgroupBarrier(); // the Q tile is read before K and V overwrite it
 
     // K and V words of the first tile.
@@ -316,10 +390,14 @@ fn main(
         // 2. S = Q K^T. K^T as a column-major B matrix: element (d, j) at kvs[j * KS + d].
         for (var kb2 = 0u; kb2 < KM; kb2++) {
             var acc = coop_mat16x16<f32, C>();
-            for (var n = 0u; n < DM; n++) {
-                let kt = coopLoad<coop_mat16x16<f16, B>>(&kvs[kb2 * 16u * KS + n * 16u], KS);
-                acc = coopMultiplyAdd(qa[n], kt, acc);
-            }
+            acc = coopMultiplyAdd(q0, kt(kb2, 0u), acc);
+            if (DM > 1u) { acc = coopMultiplyAdd(q1, kt(kb2, 1u), acc); }
+            if (DM > 2u) { acc = coopMultiplyAdd(q2, kt(kb2, 2u), acc); }
+            if (DM > 3u) { acc = coopMultiplyAdd(q3, kt(kb2, 3u), acc); }
+            if (DM > 4u) { acc = coopMultiplyAdd(q4, kt(kb2, 4u), acc); }
+            if (DM > 5u) { acc = coopMultiplyAdd(q5, kt(kb2, 5u), acc); }
+            if (DM > 6u) { acc = coopMultiplyAdd(q6, kt(kb2, 6u), acc); }
+            if (DM > 7u) { acc = coopMultiplyAdd(q7, kt(kb2, 7u), acc); }
             coopStoreT(acc, &ss[sg * 16u * SS + kb2 * 16u], SS);
         }
         workgroupBarrier();
@@ -363,32 +441,27 @@ fn main(
         // A barrier too: P and the factors are written.
         let rescale = workgroupUniformLoad(&flag);
         if (rescale != 0u) {
-            for (var q = 0u; q < DM / KM; q++) {
-                for (var n = 0u; n < KM; n++) {
-                    coopStoreT(o[q * KM + n], &ss[sg * 16u * SS + n * 16u], SS);
-                }
-                workgroupBarrier();
-                for (var e = 0u; e < 16u * BK / 32u; e++) {
-                    let idx = lane + e * 32u;
-                    let rr = idx / BK;
-                    let at = sg * 16u * SS + rr * SS + idx % BK;
-                    ss[at] = ss[at] * al[sg * 16u + rr];
-                }
-                workgroupBarrier();
-                for (var n = 0u; n < KM; n++) {
-                    o[q * KM + n] = coopLoadT<coop_mat16x16<f32, C>>(&ss[sg * 16u * SS + n * 16u], SS);
-                }
-                workgroupBarrier();
-            }
+            o0 = rescaled(o0, sg, lane);
+            if (DM > 1u) { o1 = rescaled(o1, sg, lane); }
+            if (DM > 2u) { o2 = rescaled(o2, sg, lane); }
+            if (DM > 3u) { o3 = rescaled(o3, sg, lane); }
+            if (DM > 4u) { o4 = rescaled(o4, sg, lane); }
+            if (DM > 5u) { o5 = rescaled(o5, sg, lane); }
+            if (DM > 6u) { o6 = rescaled(o6, sg, lane); }
+            if (DM > 7u) { o7 = rescaled(o7, sg, lane); }
         }
 
         // 4. O += P V. V as a row-major B matrix: element (j, d) at kvs[(BK + j) * KS + d].
         for (var kb2 = 0u; kb2 < KM; kb2++) {
             let pa = coopLoadT<coop_mat16x16<f16, A>>(&ps[sg * 16u * PS + kb2 * 16u], PS);
-            for (var n = 0u; n < DM; n++) {
-                let vm = coopLoadT<coop_mat16x16<f16, B>>(&kvs[(BK + kb2 * 16u) * KS + n * 16u], KS);
-                o[n] = coopMultiplyAdd(pa, vm, o[n]);
-            }
+            o0 = coopMultiplyAdd(pa, vt(kb2, 0u), o0);
+            if (DM > 1u) { o1 = coopMultiplyAdd(pa, vt(kb2, 1u), o1); }
+            if (DM > 2u) { o2 = coopMultiplyAdd(pa, vt(kb2, 2u), o2); }
+            if (DM > 3u) { o3 = coopMultiplyAdd(pa, vt(kb2, 3u), o3); }
+            if (DM > 4u) { o4 = coopMultiplyAdd(pa, vt(kb2, 4u), o4); }
+            if (DM > 5u) { o5 = coopMultiplyAdd(pa, vt(kb2, 5u), o5); }
+            if (DM > 6u) { o6 = coopMultiplyAdd(pa, vt(kb2, 6u), o6); }
+            if (DM > 7u) { o7 = coopMultiplyAdd(pa, vt(kb2, 7u), o7); }
         }
         workgroupBarrier(); // the tile, S and P are consumed
     }
@@ -424,28 +497,12 @@ fn main(
             }
         }
     }
-    for (var q = 0u; q < DM / KM; q++) {
-        for (var n = 0u; n < KM; n++) {
-            coopStoreT(o[q * KM + n], &ss[sg * 16u * SS + n * 16u], SS);
-        }
-        workgroupBarrier();
-        for (var e = 0u; e < 16u * BK / 128u; e++) {
-            let idx = lane + e * 32u;
-            let rr = idx / (BK / 4u);
-            let c4 = idx % (BK / 4u);
-            let at = sg * 16u * SS + rr * SS + c4 * 4u;
-            let ii = i0 + sg * 16u + rr;
-            if (ii < s.ql) {
-                let v = vec4<f32>(ss[at], ss[at + 1u], ss[at + 2u], ss[at + 3u]) * al[sg * 16u + rr];
-                let row = s.q0 + ii;
-                let col4 = q * (BK / 4u) + c4;
-                if (splits == 1u) {
-                    ob[(row * hq + h) * D4 + col4] = vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw));
-                } else {
-                    part_o[((split * md[M_TQ] + row) * hq + h) * D4 + col4] = v;
-                }
-            }
-        }
-        workgroupBarrier();
-    }
+    emit(o0, 0u, sg, lane, i0, s, h, hq, split, splits);
+    if (DM > 1u) { emit(o1, 1u, sg, lane, i0, s, h, hq, split, splits); }
+    if (DM > 2u) { emit(o2, 2u, sg, lane, i0, s, h, hq, split, splits); }
+    if (DM > 3u) { emit(o3, 3u, sg, lane, i0, s, h, hq, split, splits); }
+    if (DM > 4u) { emit(o4, 4u, sg, lane, i0, s, h, hq, split, splits); }
+    if (DM > 5u) { emit(o5, 5u, sg, lane, i0, s, h, hq, split, splits); }
+    if (DM > 6u) { emit(o6, 6u, sg, lane, i0, s, h, hq, split, splits); }
+    if (DM > 7u) { emit(o7, 7u, sg, lane, i0, s, h, hq, split, splits); }
 }

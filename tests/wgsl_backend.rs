@@ -170,7 +170,7 @@ fn coop_kernel_matches_reference() {
         let seed = rng.next_u64();
         let mut case = random_case(&mut rng, seed);
         case.dtype = DType::F16;
-        case.d = [32, 64, 96, 128, 256][n % 5];
+        case.d = [32, 64, 96, 128][n % 4];
         for l in case.lens.iter_mut() {
             l.0 = (l.0 * 37 + rng.below(40)) % 200;
         }
