@@ -186,31 +186,41 @@ fn coop_kernel_matches_reference() {
 const COOP_PROBE: &str = r#"
 enable f16;
 enable wgpu_cooperative_matrix;
+// Offsets and strides (in elements) of A, B (f16) and C (f32) in workgroup memory.
+const OA: u32 = 0u;
+const SA: u32 = 16u;
+const OB: u32 = 0u;
+const SB: u32 = 16u;
+const OC: u32 = 0u;
+const SC: u32 = 16u;
 @group(0) @binding(0) var<storage, read> inp: array<f32>;
 @group(0) @binding(1) var<storage, read_write> outp: array<f32>;
-var<workgroup> a: array<f16, 256>;
-var<workgroup> bm: array<f16, 256>;
-var<workgroup> c: array<f32, 256>;
+var<workgroup> a: array<f16, 2048>;
+var<workgroup> bm: array<f16, 2048>;
+var<workgroup> c: array<f32, 1024>;
 @compute @workgroup_size(32)
 fn main(@builtin(local_invocation_index) t: u32) {
     for (var k = 0u; k < 8u; k++) {
-        a[t + 32u * k] = f16(inp[t + 32u * k]);
-        bm[t + 32u * k] = f16(inp[256u + t + 32u * k]);
+        let e = t + 32u * k;
+        a[OA + (e / 16u) * SA + e % 16u] = f16(inp[e]);
+        bm[OB + (e / 16u) * SB + e % 16u] = f16(inp[256u + e]);
     }
     workgroupBarrier();
-    let am = coopLoadT<coop_mat16x16<f16, A>>(&a[0], 16u);
-    let r1 = coopMultiplyAdd(am, coopLoadT<coop_mat16x16<f16, B>>(&bm[0], 16u), coop_mat16x16<f32, C>());
-    coopStoreT(r1, &c[0], 16u);
+    let am = coopLoadT<coop_mat16x16<f16, A>>(&a[OA], SA);
+    let r1 = coopMultiplyAdd(am, coopLoadT<coop_mat16x16<f16, B>>(&bm[OB], SB), coop_mat16x16<f32, C>());
+    coopStoreT(r1, &c[OC], SC);
     workgroupBarrier();
     for (var k = 0u; k < 8u; k++) {
-        outp[t + 32u * k] = c[t + 32u * k];
+        let e = t + 32u * k;
+        outp[e] = c[OC + (e / 16u) * SC + e % 16u];
     }
     workgroupBarrier();
-    let r2 = coopMultiplyAdd(am, coopLoad<coop_mat16x16<f16, B>>(&bm[0], 16u), coop_mat16x16<f32, C>());
-    coopStoreT(r2, &c[0], 16u);
+    let r2 = coopMultiplyAdd(am, coopLoad<coop_mat16x16<f16, B>>(&bm[OB], SB), coop_mat16x16<f32, C>());
+    coopStoreT(r2, &c[OC], SC);
     workgroupBarrier();
     for (var k = 0u; k < 8u; k++) {
-        outp[256u + t + 32u * k] = c[t + 32u * k];
+        let e = t + 32u * k;
+        outp[256u + e] = c[OC + (e / 16u) * SC + e % 16u];
     }
 }
 "#;
@@ -228,6 +238,21 @@ fn coop_layout_probe_matches_a_cpu_matmul() {
         eprintln!("\n*** wgpu: cooperative-matrix layout probe NOT RUN: adapter {} has none ***\n", be.adapter_name());
         return;
     }
+    // As the kernel uses them: rows padded (strides 40 f16 and 36 f32), blocks at offsets.
+    for (oa, sa, ob, sb, oc, sc) in [(0, 16, 0, 16, 0, 16), (40 * 16 + 16, 40, 40 * 16 + 32, 40, 16, 36)] {
+        let src = COOP_PROBE
+            .replace("const OA: u32 = 0u;", &format!("const OA: u32 = {oa}u;"))
+            .replace("const SA: u32 = 16u;", &format!("const SA: u32 = {sa}u;"))
+            .replace("const OB: u32 = 0u;", &format!("const OB: u32 = {ob}u;"))
+            .replace("const SB: u32 = 16u;", &format!("const SB: u32 = {sb}u;"))
+            .replace("const OC: u32 = 0u;", &format!("const OC: u32 = {oc}u;"))
+            .replace("const SC: u32 = 16u;", &format!("const SC: u32 = {sc}u;"));
+        eprintln!("coop probe: A at {oa} stride {sa}, B at {ob} stride {sb}, C at {oc} stride {sc}");
+        coop_probe_once(&be, &src);
+    }
+}
+
+fn coop_probe_once(be: &WgpuBackend, src: &str) {
     use wgpu::util::DeviceExt;
     let (dev, queue) = (be.wgpu_device(), be.wgpu_queue());
     // Small integers: every product and sum is exact in f16 inputs and f32 accumulation.
@@ -246,7 +271,7 @@ fn coop_layout_probe_matches_a_cpu_matmul() {
         dev.create_buffer(&wgpu::BufferDescriptor { label: None, size: 2048, usage: read, mapped_at_creation: false });
     let module = dev.create_shader_module(wgpu::ShaderModuleDescriptor {
         label: Some("coop probe"),
-        source: wgpu::ShaderSource::Wgsl(COOP_PROBE.into()),
+        source: wgpu::ShaderSource::Wgsl(src.into()),
     });
     let pipe = dev.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
         label: None,
