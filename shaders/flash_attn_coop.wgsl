@@ -320,23 +320,14 @@ fn main(
     var q5 = coop_mat16x16<f16, A>();
     var q6 = coop_mat16x16<f16, A>();
     var q7 = coop_mat16x16<f16, A>();
-    // A zero accumulator, loaded from zeroed workgroup memory: a zero-valued constructor of a
-    // matrix is not relied on (suspected of leaving garbage on one driver).
-    for (var e = 0u; e < 8u; e++) {
-        let idx = lane + e * 32u;
-        ss[sg * 16u * SS + (idx / 16u) * SS + idx % 16u] = 0.0;
-    }
-    workgroupBarrier();
-    let zc = coopLoadT<coop_mat16x16<f32, C>>(&ss[sg * 16u * SS], SS);
-    workgroupBarrier();
-    var o0 = zc;
-    var o1 = zc;
-    var o2 = zc;
-    var o3 = zc;
-    var o4 = zc;
-    var o5 = zc;
-    var o6 = zc;
-    var o7 = zc;
+    var o0 = coop_mat16x16<f32, C>();
+    var o1 = coop_mat16x16<f32, C>();
+    var o2 = coop_mat16x16<f32, C>();
+    var o3 = coop_mat16x16<f32, C>();
+    var o4 = coop_mat16x16<f32, C>();
+    var o5 = coop_mat16x16<f32, C>();
+    var o6 = coop_mat16x16<f32, C>();
+    var o7 = coop_mat16x16<f32, C>();
     q0 = coopLoadT<coop_mat16x16<f16, A>>(&kvs[sg * 16u * KS + 0u * 16u], KS);
     if (DM > 1u) { q1 = coopLoadT<coop_mat16x16<f16, A>>(&kvs[sg * 16u * KS + 1u * 16u], KS); }
     if (DM > 2u) { q2 = coopLoadT<coop_mat16x16<f16, A>>(&kvs[sg * 16u * KS + 2u * 16u], KS); }
@@ -398,7 +389,7 @@ fn main(
 
         // 2. S = Q K^T. K^T as a column-major B matrix: element (d, j) at kvs[j * KS + d].
         for (var kb2 = 0u; kb2 < KM; kb2++) {
-            var acc = zc;
+            var acc = coop_mat16x16<f32, C>();
             acc = coopMultiplyAdd(q0, kt(kb2, 0u), acc);
             if (DM > 1u) { acc = coopMultiplyAdd(q1, kt(kb2, 1u), acc); }
             if (DM > 2u) { acc = coopMultiplyAdd(q2, kt(kb2, 2u), acc); }
