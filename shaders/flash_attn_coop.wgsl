@@ -174,6 +174,17 @@ fn key_range(i: u32, s: Seq) -> vec2<i32> {
 
 
 
+// The K word (.xy) and V word (.zw) that thread slot `x` loads for the tile starting at key `j0`;
+// zero past the tile or the key range.
+fn kv_words(x: u32, j0: i32, end: i32, kvi: Kv, hkv: u32, kh: u32) -> vec4<u32> {
+    let j = j0 + i32(x / D4);
+    if (x >= BK * D4 || j >= end) {
+        return vec4<u32>(0u);
+    }
+    let e = (k_row(kvi, u32(j)) * hkv + kh) * D4 + x % D4;
+    return vec4<u32>(kb[e], vb[e]);
+}
+
 // K^T block (d block n, keys of block kb2) as a column-major B matrix: (d, j) at kvs[j * KS + d].
 fn kt(kb2: u32, n: u32) -> coop_mat16x16<f16, B> {
     return coopLoad<coop_mat16x16<f16, B>>(&kvs[kb2 * 16u * KS + n * 16u], KS);
@@ -342,17 +353,9 @@ fn main(
     var kw: array<vec2<u32>, LW>;
     var vw: array<vec2<u32>, LW>;
     for (var it = 0u; it < LW; it++) {
-        let x = tid + it * WG;
-        let j = start + i32(x / D4);
-        var a = vec2<u32>(0u);
-        var c = vec2<u32>(0u);
-        if (x < BK * D4 && j < end) {
-            let e = (k_row(kvi, u32(j)) * hkv + kh) * D4 + x % D4;
-            a = kb[e];
-            c = vb[e];
-        }
-        kw[it] = a;
-        vw[it] = c;
+        let w = kv_words(tid + it * WG, start, end, kvi, hkv, kh);
+        kw[it] = w.xy;
+        vw[it] = w.zw;
     }
 
     var m = NEG;
@@ -374,17 +377,9 @@ fn main(
         workgroupBarrier();
         let jn = j0 + i32(BK);
         for (var it = 0u; it < LW; it++) {
-            let x = tid + it * WG;
-            let j = jn + i32(x / D4);
-            var a = vec2<u32>(0u);
-            var c = vec2<u32>(0u);
-            if (x < BK * D4 && j < end) {
-                let e = (k_row(kvi, u32(j)) * hkv + kh) * D4 + x % D4;
-                a = kb[e];
-                c = vb[e];
-            }
-            kw[it] = a;
-            vw[it] = c;
+            let w = kv_words(tid + it * WG, jn, end, kvi, hkv, kh);
+            kw[it] = w.xy;
+            vw[it] = w.zw;
         }
 
         // 2. S = Q K^T. K^T as a column-major B matrix: element (d, j) at kvs[j * KS + d].
