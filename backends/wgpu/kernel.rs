@@ -114,7 +114,7 @@ fn mt_plan(d: usize, limit: u32) -> Option<Plan> {
 /// The cooperative-matrix plan: 4 (else 2) subgroups of 16 query rows, 32-key tiles (the Q
 /// tile passes through the K/V tile buffer, so 16 * subgroups <= 2 * keys).
 fn coop_plan(d: usize, limit: u32) -> Option<Plan> {
-    if !d.is_multiple_of(32) || d > 128 {
+    if !coop_head_dim(d) {
         return None;
     }
     let ok = |&(nw, bk): &(usize, usize)| {
@@ -141,9 +141,15 @@ fn coop_tile_override() -> Option<(usize, usize)> {
     })
 }
 
+/// Head dims the coop kernel takes: multiples of 32 (its key tile divides them), at most 128 (its
+/// eight named Q and O matrices).
+fn coop_head_dim(d: usize) -> bool {
+    d.is_multiple_of(32) && d <= 128
+}
+
 /// Whether the coop kernel can serve a call of this dtype and head dim on this device.
 fn coop_fits(coop: bool, dt: DType, d: usize) -> bool {
-    coop && dt == DType::F16 && d.is_multiple_of(32) && d <= 128
+    coop && dt == DType::F16 && coop_head_dim(d)
 }
 
 /// The plan for a call whose sequences have at most `queries` queries, `g` query heads per kv
