@@ -207,6 +207,64 @@ pub(crate) fn specialize(src: &str, values: &[(&str, usize)]) -> String {
     out
 }
 
+/// The cooperative-matrix kernel's WGSL for head dim `d`, `nw` subgroups and `bk` keys a tile.
+pub(crate) fn coop_source(d: usize, nw: usize, bk: usize) -> String {
+    specialize(FLASH_COOP_SRC, &[("D", d), ("NW", nw), ("BK", bk)])
+}
+
+/// The cooperative-matrix kernel's pipeline: SPIR-V written by naga and mended for the Vulkan
+/// memory model (spirv.rs), handed to the driver as it is, with its bind group layout spelled out
+/// (a pass-through module carries no reflection).
+fn coop_pipeline(device: &::wgpu::Device, src: &str) -> Result<::wgpu::ComputePipeline> {
+    let words = super::spirv::coop_module(src)?;
+    let entry = |binding: u32, read_only: bool| ::wgpu::BindGroupLayoutEntry {
+        binding,
+        visibility: ::wgpu::ShaderStages::COMPUTE,
+        ty: ::wgpu::BindingType::Buffer {
+            ty: ::wgpu::BufferBindingType::Storage { read_only },
+            has_dynamic_offset: false,
+            min_binding_size: None,
+        },
+        count: None,
+    };
+    // The bindings of flash_attn_coop.wgsl: q, k, v, out, lse, metadata, split outputs and lse.
+    let read_only = [true, true, true, false, false, true, false, false];
+    let entries: Vec<_> = read_only.iter().enumerate().map(|(i, &r)| entry(i as u32, r)).collect();
+    let bgl = device.create_bind_group_layout(&::wgpu::BindGroupLayoutDescriptor {
+        label: Some("attnkit flash_attn_coop"),
+        entries: &entries,
+    });
+    let layout = device.create_pipeline_layout(&::wgpu::PipelineLayoutDescriptor {
+        label: Some("attnkit flash_attn_coop"),
+        bind_group_layouts: &[Some(&bgl)],
+        immediate_size: 0,
+    });
+    // SAFETY: the words are a module naga wrote from our own WGSL after validating it, with
+    // bounds checks on every buffer and array index (`Restrict`), changed afterwards only by
+    // memory-operand and barrier-semantics flags that the Vulkan memory model (which the module
+    // declares) defines; its bindings are exactly the layout above, and the device has the
+    // cooperative-matrix, f16 and subgroup features the module uses (`COOP_FEATURES`).
+    let module = unsafe {
+        device.create_shader_module_passthrough(::wgpu::ShaderModuleDescriptorPassthrough {
+            label: Some("attnkit flash_attn_coop"),
+            entry_points: std::borrow::Cow::Owned(vec![::wgpu::PassthroughShaderEntryPoint {
+                name: "main".into(),
+                workgroup_size: (0, 0, 0),
+            }]),
+            spirv: Some(std::borrow::Cow::Owned(words)),
+            ..Default::default()
+        })
+    };
+    Ok(device.create_compute_pipeline(&::wgpu::ComputePipelineDescriptor {
+        label: Some("attnkit flash_attn_coop"),
+        layout: Some(&layout),
+        module: &module,
+        entry_point: Some("main"),
+        compilation_options: Default::default(),
+        cache: None,
+    }))
+}
+
 /// A device buffer that grows (never shrinks) to the largest size asked of it.
 struct Growable {
     buffer: ::wgpu::Buffer,
@@ -276,66 +334,57 @@ impl State {
         }
     }
 
-    fn pipeline(&mut self, device: &::wgpu::Device, key: PipeKey) -> ::wgpu::ComputePipeline {
-        let loop_bounding = self.loop_bounding;
-        self.pipelines
-            .entry(key)
-            .or_insert_with(|| {
-                let (src, label) = match key {
-                    PipeKey::Flash(dt, d, p) if p.kernel == Kernel::Rows => (
-                        specialize(
-                            FLASH_SRC,
-                            &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk), ("NKS", p.nks)],
-                        ),
-                        "attnkit flash_attn",
-                    ),
-                    PipeKey::Flash(_, d, p) if p.kernel == Kernel::Coop => (
-                        specialize(FLASH_COOP_SRC, &[("D", d), ("NW", p.nks), ("BK", p.bk)]),
-                        "attnkit flash_attn_coop",
-                    ),
-                    PipeKey::Flash(dt, d, p) => (
-                        specialize(FLASH_MT_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk)]),
-                        "attnkit flash_attn_mt",
-                    ),
-                    PipeKey::Combine(dt, d) => {
-                        (specialize(COMBINE_SRC, &[("D", d), ("DT", dt as usize)]), "attnkit combine")
-                    }
-                };
-                // Buffer bounds checks stay on; the loop bounding that wgpu would otherwise add to
-                // every loop (a second exit on a hidden counter) is left out, so that the driver's
-                // compiler can unroll the constant-trip loops and keep the per-thread arrays they
-                // index in registers.
-                let mut checks = ::wgpu::ShaderRuntimeChecks::checked();
-                checks.force_loop_bounding = loop_bounding;
-                // SAFETY: `force_loop_bounding = false` requires that no shader can loop forever.
-                // Every loop in shaders/*.wgsl is a counted `for` whose counter only increases, by
-                // a positive step, toward a bound fixed before the loop starts (a constant, or a
-                // value read from the metadata before the loop: a token count, far below i32::MAX
-                // since a storage binding holds at most 4 GiB); none has another back edge.
-                let module = unsafe {
-                    device.create_shader_module_trusted(
-                        ::wgpu::ShaderModuleDescriptor {
-                            label: Some(label),
-                            source: ::wgpu::ShaderSource::Wgsl(src.into()),
-                        },
-                        checks,
-                    )
-                };
-                device.create_compute_pipeline(&::wgpu::ComputePipelineDescriptor {
-                    label: Some(label),
-                    layout: None,
-                    module: &module,
-                    entry_point: Some("main"),
-                    // Every workgroup array is written before it is read (each shader says how), so
-                    // the zero fill wgpu would insert at every workgroup's start is wasted work.
-                    compilation_options: ::wgpu::PipelineCompilationOptions {
-                        zero_initialize_workgroup_memory: false,
-                        ..Default::default()
-                    },
-                    cache: None,
-                })
-            })
-            .clone()
+    fn pipeline(&mut self, device: &::wgpu::Device, key: PipeKey) -> Result<::wgpu::ComputePipeline> {
+        if let Some(p) = self.pipelines.get(&key) {
+            return Ok(p.clone());
+        }
+        let (src, label) = match key {
+            PipeKey::Flash(dt, d, p) if p.kernel == Kernel::Rows => (
+                specialize(FLASH_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk), ("NKS", p.nks)]),
+                "attnkit flash_attn",
+            ),
+            PipeKey::Flash(_, d, p) if p.kernel == Kernel::Coop => {
+                let pipeline = coop_pipeline(device, &coop_source(d, p.nks, p.bk))?;
+                self.pipelines.insert(key, pipeline.clone());
+                return Ok(pipeline);
+            }
+            PipeKey::Flash(dt, d, p) => (
+                specialize(FLASH_MT_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk)]),
+                "attnkit flash_attn_mt",
+            ),
+            PipeKey::Combine(dt, d) => (specialize(COMBINE_SRC, &[("D", d), ("DT", dt as usize)]), "attnkit combine"),
+        };
+        // Buffer bounds checks stay on; the loop bounding that wgpu would otherwise add to every
+        // loop (a second exit on a hidden counter) is left out, so that the driver's compiler can
+        // unroll the constant-trip loops and keep the per-thread arrays they index in registers.
+        let mut checks = ::wgpu::ShaderRuntimeChecks::checked();
+        checks.force_loop_bounding = self.loop_bounding;
+        // SAFETY: `force_loop_bounding = false` requires that no shader can loop forever. Every
+        // loop in shaders/*.wgsl is a counted `for` whose counter only increases, by a positive
+        // step, toward a bound fixed before the loop starts (a constant, or a value read from the
+        // metadata before the loop: a token count, far below i32::MAX since a storage binding
+        // holds at most 4 GiB); none has another back edge.
+        let module = unsafe {
+            device.create_shader_module_trusted(
+                ::wgpu::ShaderModuleDescriptor { label: Some(label), source: ::wgpu::ShaderSource::Wgsl(src.into()) },
+                checks,
+            )
+        };
+        let pipeline = device.create_compute_pipeline(&::wgpu::ComputePipelineDescriptor {
+            label: Some(label),
+            layout: None,
+            module: &module,
+            entry_point: Some("main"),
+            // Every workgroup array is written before it is read (each shader says how), so the
+            // zero fill wgpu would insert at every workgroup's start is wasted work.
+            compilation_options: ::wgpu::PipelineCompilationOptions {
+                zero_initialize_workgroup_memory: false,
+                ..Default::default()
+            },
+            cache: None,
+        });
+        self.pipelines.insert(key, pipeline.clone());
+        Ok(pipeline)
     }
 
     fn bind_group(
@@ -541,7 +590,7 @@ pub(crate) fn forward(
         ctx.queue.write_buffer(&st.meta.buffer, 0, bytemuck_words(&words));
 
         let fkey = PipeKey::Flash(dt, d, plan);
-        let fpipe = st.pipeline(dev, fkey);
+        let fpipe = st.pipeline(dev, fkey)?;
         let lse_buf = lse.map(|l| l.buffer.clone()).unwrap_or_else(|| st.dummy_lse.clone());
         let (meta_b, po, pl) = (st.meta.buffer.clone(), st.part_o.buffer.clone(), st.part_lse.buffer.clone());
         let fbg = st.bind_group(
@@ -559,7 +608,7 @@ pub(crate) fn forward(
         );
         let combine = if splits > 1 {
             let ckey = PipeKey::Combine(dt, d);
-            let cpipe = st.pipeline(dev, ckey);
+            let cpipe = st.pipeline(dev, ckey)?;
             let cbg = st.bind_group(
                 dev,
                 ckey,

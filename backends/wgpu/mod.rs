@@ -18,6 +18,7 @@
 //! [`WgpuBackend::from_device`] runs on a caller's device and queue, so a model shares them.
 
 mod kernel;
+mod spirv;
 
 pub use kernel::Kernel;
 
@@ -179,10 +180,12 @@ fn open_default() -> Result<Ctx> {
     Ok(Ctx::new(device, queue, name, coop))
 }
 
-/// What the cooperative-matrix kernel needs of a device.
+/// What the cooperative-matrix kernel needs of a device: pass-through shaders too, because its
+/// SPIR-V is written and mended here (see spirv.rs).
 const COOP_FEATURES: ::wgpu::Features = ::wgpu::Features::EXPERIMENTAL_COOPERATIVE_MATRIX
     .union(::wgpu::Features::SHADER_F16)
-    .union(::wgpu::Features::SUBGROUP);
+    .union(::wgpu::Features::SUBGROUP)
+    .union(::wgpu::Features::PASSTHROUGH_SHADERS);
 
 /// `ATTNKIT_WGPU_COOP=off` keeps the cooperative-matrix kernel out entirely (the device is opened
 /// without the features).

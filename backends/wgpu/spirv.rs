@@ -1,0 +1,304 @@
+//! SPIR-V for the cooperative-matrix kernel, written here by naga and then made correct under the
+//! Vulkan memory model.
+//!
+//! A module with cooperative matrices must declare the Vulkan memory model, and naga 30 declares
+//! it, but it still writes every workgroup load and store as a *private* access and every barrier
+//! without availability or visibility operations (gfx-rs/wgpu#8805). Under that model a private
+//! access is not ordered by a barrier with respect to other invocations, so a driver may move a
+//! read of a tile in workgroup memory across the barrier that was meant to publish it. On an H200
+//! the kernel's output was wrong in every case this way, while a single 16x16 product was right.
+//!
+//! [`non_private_workgroup`] mends the words naga wrote: every access through a workgroup pointer
+//! (loads, stores, cooperative-matrix loads and stores) gets `NonPrivatePointer`, and every barrier
+//! gets `MakeAvailable | MakeVisible`, the semantics a GLSL compiler gives `barrier()` on shared
+//! memory under the same model. The module then goes to the driver as it is (wgpu's pass-through
+//! shaders), since wgpu would otherwise write it again from the WGSL.
+
+use super::backend_err;
+use crate::error::Result;
+
+const OP_MEMORY_MODEL: u32 = 14;
+const OP_TYPE_POINTER: u32 = 32;
+const OP_CONSTANT: u32 = 43;
+const OP_FUNCTION_PARAMETER: u32 = 55;
+const OP_VARIABLE: u32 = 59;
+const OP_LOAD: u32 = 61;
+const OP_STORE: u32 = 62;
+const OP_ACCESS_CHAIN: u32 = 65;
+const OP_IN_BOUNDS_ACCESS_CHAIN: u32 = 66;
+const OP_PTR_ACCESS_CHAIN: u32 = 67;
+const OP_COPY_OBJECT: u32 = 83;
+const OP_CONTROL_BARRIER: u32 = 224;
+const OP_MEMORY_BARRIER: u32 = 225;
+const OP_COOP_LOAD: u32 = 4457;
+const OP_COOP_STORE: u32 = 4458;
+
+const STORAGE_WORKGROUP: u32 = 4;
+const MEMORY_MODEL_VULKAN: u32 = 3;
+/// Memory operand: the access takes part in inter-invocation ordering.
+pub(crate) const NON_PRIVATE_POINTER: u32 = 0x20;
+/// Memory semantics: an availability and a visibility operation on the storage classes named.
+pub(crate) const MAKE_AVAILABLE_VISIBLE: u32 = 0x2000 | 0x4000;
+
+/// What [`non_private_workgroup`] changed.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Mended {
+    /// Loads and stores (plain and cooperative) through workgroup pointers now non-private.
+    pub accesses: usize,
+    /// Barriers whose semantics now make writes available and visible.
+    pub barriers: usize,
+}
+
+/// The WGSL source `src` (one compute entry point, `main`) as SPIR-V words for Vulkan, with the
+/// workgroup accesses and barriers mended (see the module's text).
+pub(crate) fn coop_module(src: &str) -> Result<Vec<u32>> {
+    let err = |what: &str, e: String| backend_err(format!("cooperative-matrix kernel, {what}: {e}"));
+    let module = naga::front::wgsl::parse_str(src).map_err(|e| err("WGSL", e.emit_to_string(src)))?;
+    let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
+        .validate(&module)
+        .map_err(|e| err("WGSL validation", e.emit_to_string(src)))?;
+    let options = naga::back::spv::Options {
+        // SPIR-V 1.5: Vulkan 1.2 and later, which every device with cooperative matrices has.
+        lang_version: (1, 5),
+        flags: naga::back::spv::WriterFlags::empty(),
+        bounds_check_policies: naga::proc::BoundsCheckPolicies {
+            index: naga::proc::BoundsCheckPolicy::Restrict,
+            buffer: naga::proc::BoundsCheckPolicy::Restrict,
+            image_load: naga::proc::BoundsCheckPolicy::Restrict,
+            binding_array: naga::proc::BoundsCheckPolicy::Unchecked,
+        },
+        // As wgpu is asked for the other kernels: every workgroup array is written before it is
+        // read, and every loop is counted (see kernel.rs).
+        zero_initialize_workgroup_memory: naga::back::spv::ZeroInitializeWorkgroupMemoryMode::None,
+        force_loop_bounding: false,
+        ..Default::default()
+    };
+    let pipeline =
+        naga::back::spv::PipelineOptions { shader_stage: naga::ShaderStage::Compute, entry_point: "main".into() };
+    let mut words = naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline))
+        .map_err(|e| err("SPIR-V", e.to_string()))?;
+    non_private_workgroup(&mut words).map_err(|e| err("SPIR-V mending", e))?;
+    Ok(words)
+}
+
+/// Mark every access through a workgroup pointer `NonPrivatePointer` and give every barrier
+/// `MakeAvailable | MakeVisible`. A module under another memory model is left as it is (those
+/// flags belong to the Vulkan model alone).
+pub(crate) fn non_private_workgroup(words: &mut Vec<u32>) -> std::result::Result<Mended, String> {
+    let insts = instructions(words)?;
+    let vulkan = insts.iter().any(|&(op, at)| op == OP_MEMORY_MODEL && words.get(at + 2) == Some(&MEMORY_MODEL_VULKAN));
+    if !vulkan {
+        return Ok(Mended::default());
+    }
+    // Barrier semantics are ids of integer constants; each distinct one gets a twin with the
+    // extra bits, defined right after it.
+    let mut bound = words[3];
+    let mut twins: Vec<(u32, u32)> = Vec::new();
+    for &(op, at) in &insts {
+        let sem_at = match op {
+            OP_CONTROL_BARRIER => at + 3,
+            OP_MEMORY_BARRIER => at + 2,
+            _ => continue,
+        };
+        let id = *words.get(sem_at).ok_or("barrier without semantics")?;
+        if !twins.iter().any(|&(old, _)| old == id) {
+            twins.push((id, bound));
+            bound += 1;
+        }
+    }
+    let twin = |id: u32| twins.iter().find(|&&(old, _)| old == id).map(|&(_, new)| new);
+
+    let mut wg_types: Vec<u32> = Vec::new();
+    let mut wg_ptrs: Vec<u32> = Vec::new();
+    let mut out = Vec::with_capacity(words.len() + 64);
+    out.extend_from_slice(&words[..5]);
+    out[3] = bound;
+    let mut mended = Mended::default();
+    for &(op, at) in &insts {
+        let len = (words[at] >> 16) as usize;
+        let orig = &words[at..at + len];
+        let mut inst = orig.to_vec();
+        let operand = |i: usize| orig.get(i).copied().ok_or(format!("opcode {op}: operand {i} missing"));
+        match op {
+            OP_TYPE_POINTER if operand(2)? == STORAGE_WORKGROUP => wg_types.push(operand(1)?),
+            OP_VARIABLE
+            | OP_FUNCTION_PARAMETER
+            | OP_ACCESS_CHAIN
+            | OP_IN_BOUNDS_ACCESS_CHAIN
+            | OP_PTR_ACCESS_CHAIN
+            | OP_COPY_OBJECT
+                if wg_types.contains(&operand(1)?) =>
+            {
+                wg_ptrs.push(operand(2)?)
+            }
+            OP_LOAD if wg_ptrs.contains(&operand(3)?) => {
+                add_memory_operand(&mut inst, 4);
+                mended.accesses += 1;
+            }
+            OP_STORE if wg_ptrs.contains(&operand(1)?) => {
+                add_memory_operand(&mut inst, 3);
+                mended.accesses += 1;
+            }
+            // Result type, result, pointer, layout, stride, memory operands.
+            OP_COOP_LOAD if wg_ptrs.contains(&operand(3)?) => {
+                operand(5).map_err(|_| "cooperative load without a stride")?;
+                add_memory_operand(&mut inst, 6);
+                mended.accesses += 1;
+            }
+            // Pointer, object, layout, stride, memory operands.
+            OP_COOP_STORE if wg_ptrs.contains(&operand(1)?) => {
+                operand(4).map_err(|_| "cooperative store without a stride")?;
+                add_memory_operand(&mut inst, 5);
+                mended.accesses += 1;
+            }
+            OP_CONTROL_BARRIER | OP_MEMORY_BARRIER => {
+                let sem_at = if op == OP_CONTROL_BARRIER { 3 } else { 2 };
+                inst[sem_at] = twin(inst[sem_at]).ok_or("barrier semantics without a twin")?;
+                mended.barriers += 1;
+            }
+            _ => {}
+        }
+        out.extend_from_slice(&inst);
+        if op == OP_CONSTANT {
+            if let Some(new) = twin(operand(2)?) {
+                if len != 4 {
+                    return Err(format!("barrier semantics constant {} is not a 32-bit integer", operand(2)?));
+                }
+                out.extend_from_slice(&[
+                    (4 << 16) | OP_CONSTANT,
+                    operand(1)?,
+                    new,
+                    operand(3)? | MAKE_AVAILABLE_VISIBLE,
+                ]);
+            }
+        }
+    }
+    let defined = twins.iter().all(|&(_, new)| {
+        instructions(&out).is_ok_and(|v| v.iter().any(|&(op, at)| op == OP_CONSTANT && out[at + 2] == new))
+    });
+    if !defined {
+        return Err("a barrier's semantics is not an OpConstant".into());
+    }
+    *words = out;
+    Ok(mended)
+}
+
+/// Set `NonPrivatePointer` in the memory-operand mask at word `at` of `inst`, adding the mask if
+/// the instruction has none.
+fn add_memory_operand(inst: &mut Vec<u32>, at: usize) {
+    if at < inst.len() {
+        inst[at] |= NON_PRIVATE_POINTER;
+    } else {
+        inst.push(NON_PRIVATE_POINTER);
+        inst[0] = ((inst.len() as u32) << 16) | (inst[0] & 0xffff);
+    }
+}
+
+/// (opcode, first word) of every instruction after the five-word header.
+pub(crate) fn instructions(words: &[u32]) -> std::result::Result<Vec<(u32, usize)>, String> {
+    if words.len() < 5 || words[0] != 0x0723_0203 {
+        return Err("not a SPIR-V module".into());
+    }
+    let mut v = Vec::new();
+    let mut at = 5;
+    while at < words.len() {
+        let len = (words[at] >> 16) as usize;
+        if len == 0 || at + len > words.len() {
+            return Err(format!("bad instruction length {len} at word {at}"));
+        }
+        v.push((words[at] & 0xffff, at));
+        at += len;
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every workgroup access of the specialised kernel is non-private, every barrier makes its
+    /// writes available and visible, and the accesses through other storage are untouched.
+    fn check(words: &[u32]) -> (usize, usize) {
+        let insts = instructions(words).unwrap();
+        let mut wg_types = Vec::new();
+        let mut wg_ptrs = Vec::new();
+        let mut consts = std::collections::HashMap::new();
+        let (mut wg_access, mut barriers) = (0, 0);
+        for &(op, at) in &insts {
+            let w = |i: usize| words[at + i];
+            let len = (words[at] >> 16) as usize;
+            match op {
+                OP_TYPE_POINTER if w(2) == STORAGE_WORKGROUP => wg_types.push(w(1)),
+                OP_VARIABLE | OP_ACCESS_CHAIN | OP_IN_BOUNDS_ACCESS_CHAIN | OP_PTR_ACCESS_CHAIN
+                    if wg_types.contains(&w(1)) =>
+                {
+                    wg_ptrs.push(w(2))
+                }
+                OP_CONSTANT => {
+                    consts.insert(w(2), w(3));
+                }
+                OP_LOAD | OP_STORE | OP_COOP_LOAD | OP_COOP_STORE => {
+                    let (ptr, mask_at) = match op {
+                        OP_LOAD => (w(3), 4),
+                        OP_STORE => (w(1), 3),
+                        OP_COOP_LOAD => (w(3), 6),
+                        _ => (w(1), 5),
+                    };
+                    let mask = if mask_at < len { w(mask_at) } else { 0 };
+                    if wg_ptrs.contains(&ptr) {
+                        assert_ne!(mask & NON_PRIVATE_POINTER, 0, "workgroup access at word {at} is private");
+                        wg_access += 1;
+                    } else {
+                        assert_eq!(mask & NON_PRIVATE_POINTER, 0, "non-workgroup access at word {at} was changed");
+                    }
+                }
+                OP_CONTROL_BARRIER => {
+                    let sem = consts[&w(3)];
+                    assert_eq!(sem & MAKE_AVAILABLE_VISIBLE, MAKE_AVAILABLE_VISIBLE, "barrier at word {at}: {sem:#x}");
+                    barriers += 1;
+                }
+                _ => {}
+            }
+        }
+        (wg_access, barriers)
+    }
+
+    #[test]
+    fn coop_kernel_spirv_is_mended_for_the_vulkan_memory_model() {
+        for (d, nw, bk) in [(32, 1, 16), (64, 4, 32), (128, 4, 32), (96, 2, 32)] {
+            let src = super::super::kernel::coop_source(d, nw, bk);
+            let words = coop_module(&src).unwrap();
+            let (acc, bar) = check(&words);
+            eprintln!("d {d} nw {nw} bk {bk}: {acc} workgroup accesses, {bar} barriers mended");
+            // Q, K/V, S, P and O all pass through workgroup memory, behind a dozen barriers.
+            assert!(acc > 20 && bar > 5, "d {d}: {acc} workgroup accesses, {bar} barriers");
+            // Mending twice finds the same accesses, already marked.
+            let mut again = words.clone();
+            let m = non_private_workgroup(&mut again).unwrap();
+            assert_eq!((m.accesses, m.barriers), (acc, bar));
+            assert_eq!(check(&again), (acc, bar));
+        }
+    }
+
+    #[test]
+    fn a_module_under_the_glsl450_model_is_left_alone() {
+        let src = "var<workgroup> t: array<u32, 64>;\n@group(0) @binding(0) var<storage, read_write> o: array<u32>;\n\
+                   @compute @workgroup_size(64) fn main(@builtin(local_invocation_index) i: u32) {\n\
+                   t[i] = i; workgroupBarrier(); o[i] = t[63u - i]; }";
+        let module = naga::front::wgsl::parse_str(src).unwrap();
+        let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
+            .validate(&module)
+            .unwrap();
+        let mut words = naga::back::spv::write_vec(&module, &info, &Default::default(), None).unwrap();
+        let before = words.clone();
+        assert_eq!(non_private_workgroup(&mut words).unwrap(), Mended::default());
+        assert_eq!(words, before);
+    }
+
+    #[test]
+    fn malformed_words_are_an_error_not_a_panic() {
+        assert!(non_private_workgroup(&mut vec![1, 2, 3]).is_err());
+        let mut w = vec![0x0723_0203, 0x0001_0500, 0, 10, 0, 0x0005_0000];
+        assert!(non_private_workgroup(&mut w).is_err());
+    }
+}
