@@ -27,6 +27,10 @@ enable wgpu_cooperative_matrix;
 const D: u32 = 128u; // @spec head dim, a multiple of 32, at most 128
 const NW: u32 = 4u; // @spec subgroups of 32 per workgroup
 const BK: u32 = 32u; // @spec keys per tile, a multiple of 16, at least 8 * NW
+// Diagnosis only (0 in use): 2, 3, 4 stop after the first tile's scores, probabilities or output
+// and write that stage's first 16 columns of every row to the output; 5 writes the row's softmax
+// state and key range.
+const DEBUG: u32 = 0u; // @spec
 
 const BQ: u32 = 16u * NW;
 const WG: u32 = 32u * NW;
@@ -237,6 +241,15 @@ fn emit(m: coop_mat16x16<f32, C>, n: u32, sg: u32, lane: u32, i0: u32, s: Seq, h
     workgroupBarrier();
 }
 
+// Diagnosis: 8 values at column 8 * part of row `i` of the output.
+fn debug_put(s: Seq, i: u32, h: u32, hq: u32, part: u32, a: vec4<f32>, b: vec4<f32>) {
+    if (i < s.ql) {
+        let at = ((s.q0 + i) * hq + h) * D4 + part * 2u;
+        ob[at] = vec2<u32>(pack2x16float(a.xy), pack2x16float(a.zw));
+        ob[at + 1u] = vec2<u32>(pack2x16float(b.xy), pack2x16float(b.zw));
+    }
+}
+
 @compute @workgroup_size(WG)
 fn main(
     @builtin(workgroup_id) wid: vec3<u32>,
@@ -396,6 +409,11 @@ fn main(
             coopStoreT(acc, &ss[sg * 16u * SS + kb2 * 16u], SS);
         }
         workgroupBarrier();
+        if (DEBUG == 2u) {
+            let x = srow + half * 8u;
+            debug_put(s, i, h, hq, half, vec4<f32>(ss[x], ss[x + 1u], ss[x + 2u], ss[x + 3u]), vec4<f32>(ss[x + 4u], ss[x + 5u], ss[x + 6u], ss[x + 7u]));
+            return;
+        }
 
         // 3. Softmax over this invocation's half of the row.
         var sc: array<f32, HK>;
@@ -435,6 +453,18 @@ fn main(
         }
         // A barrier too: P and the factors are written.
         let rescale = workgroupUniformLoad(&flag);
+        if (DEBUG == 3u) {
+            let x = prow + half * 8u;
+            debug_put(s, i, h, hq, half, vec4<f32>(f32(ps[x]), f32(ps[x + 1u]), f32(ps[x + 2u]), f32(ps[x + 3u])), vec4<f32>(f32(ps[x + 4u]), f32(ps[x + 5u]), f32(ps[x + 6u]), f32(ps[x + 7u])));
+            return;
+        }
+        if (DEBUG == 5u) {
+            let lt = l + subgroupShuffleXor(l, 1u);
+            if (half == 0u) {
+                debug_put(s, i, h, hq, 0u, vec4<f32>(m, lt, mt, alpha), vec4<f32>(f32(lo), f32(hi), f32(start), f32(end)));
+            }
+            return;
+        }
         if (rescale != 0u) {
             o0 = rescaled(o0, sg, lane);
             if (DM > 1u) { o1 = rescaled(o1, sg, lane); }
@@ -457,6 +487,13 @@ fn main(
             if (DM > 5u) { o5 = coopMultiplyAdd(pa, vt(kb2, 5u), o5); }
             if (DM > 6u) { o6 = coopMultiplyAdd(pa, vt(kb2, 6u), o6); }
             if (DM > 7u) { o7 = coopMultiplyAdd(pa, vt(kb2, 7u), o7); }
+        }
+        if (DEBUG == 4u) {
+            if (half == 0u) {
+                al[r] = 1.0;
+            }
+            emit(o0, 0u, sg, lane, i0, s, h, hq, 0u, 1u);
+            return;
         }
         workgroupBarrier(); // the tile, S and P are consumed
     }

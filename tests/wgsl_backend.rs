@@ -370,3 +370,54 @@ fn case_of(layout: LayoutKind, dtype: DType, lens: Vec<(usize, usize)>) -> Case 
         seed: 3,
     }
 }
+
+/// Diagnosis of the cooperative-matrix kernel, stage by stage, on a GPU that has them. Run with
+/// `ATTNKIT_WGPU_COOP_DEBUG=2|3|4|5 ... --ignored --nocapture`: the kernel stops after its first
+/// key tile and writes the first tile's scores Q Kᵀ (2), probabilities (3), unnormalised output
+/// P V (4), or its softmax state and key range (5) into the first columns of each row; this test
+/// computes the same on the CPU and prints both for a few rows.
+#[test]
+#[ignore]
+fn coop_debug_stage() {
+    let stage: usize = std::env::var("ATTNKIT_WGPU_COOP_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    assert!((2..=5).contains(&stage), "set ATTNKIT_WGPU_COOP_DEBUG to 2, 3, 4 or 5");
+    let Some(mut be) = be() else { return };
+    assert!(be.has_cooperative_matrices(), "adapter {} has no cooperative matrices", be.adapter_name());
+    be.set_kernel(Some(Kernel::Coop));
+    let bk = 32; // the first tile's keys (the default plan's key tile)
+    let mut bad = 0;
+    for (d, ql, kl) in [(128, 16, 16), (64, 64, 64), (32, 16, 16), (128, 64, 300)] {
+        let mut case = case_of(LayoutKind::Dense, DType::F16, vec![(ql, kl)]);
+        (case.hkv, case.group, case.d) = (1, 1, d);
+        let built = case.build();
+        let (q, k, v) = (built.q.to_f64_vec().unwrap(), built.k.to_f64_vec().unwrap(), built.v.to_f64_vec().unwrap());
+        let got = run_on(&be, &case, &built).expect("coop kernel").out;
+        let scale = 1.0 / (d as f64).sqrt();
+        let tile = bk.min(kl);
+        let s = |r: usize, c: usize| (0..d).map(|x| q[r * d + x] * k[c * d + x]).sum::<f64>();
+        let mut worst = 0f64;
+        for r in 0..ql {
+            let m = (0..tile).map(|c| scale * s(r, c)).fold(f64::MIN, f64::max);
+            let p = |c: usize| half::f16::from_f64((scale * s(r, c) - m).exp()).to_f64();
+            let l: f64 = (0..tile).map(|c| (scale * s(r, c) - m).exp()).sum();
+            let want: Vec<f64> = match stage {
+                2 => (0..16).map(|c| if c < tile { s(r, c) } else { 0.0 }).collect(),
+                3 => (0..16).map(|c| if c < tile { p(c) } else { 0.0 }).collect(),
+                4 => (0..16).map(|x| (0..tile).map(|c| p(c) * v[c * d + x]).sum()).collect(),
+                _ => vec![m, l, m, 0.0, 0.0, kl as f64, 0.0, kl as f64],
+            };
+            let n = want.len();
+            let row = &got[r * d..r * d + n];
+            let err = row.iter().zip(&want).map(|(g, w)| (g - w).abs() / (1.0 + w.abs())).fold(0.0, f64::max);
+            worst = worst.max(if err.is_nan() { f64::INFINITY } else { err });
+            if r < 2 || r == ql - 1 || err > 0.02 && r < 6 {
+                eprintln!("stage {stage} d {d} q {ql} k {kl} row {r}:\n  got  {row:.4?}\n  want {want:.4?}");
+            }
+        }
+        eprintln!("stage {stage} d {d} q {ql} k {kl}: worst relative error {worst:.3e}");
+        if worst > 0.02 {
+            bad += 1;
+        }
+    }
+    assert_eq!(bad, 0, "{bad} cases differ at stage {stage}");
+}

@@ -63,6 +63,15 @@ fn every_specialisation_validates() {
                     if let Err(e) = validate(&format!("{name} (D {d}, NW {nw}, BK {bk})"), &s) {
                         errors.push(e);
                     }
+                    // The diagnosis stages (ATTNKIT_WGPU_COOP_DEBUG) on one tile.
+                    if (d, nw, bk) == (64, 4, 32) {
+                        for stage in 2..=5 {
+                            let s = specialize(&src, &[("D", d), ("NW", nw), ("BK", bk), ("DEBUG", stage)]);
+                            if let Err(e) = validate(&format!("{name} (debug stage {stage})"), &s) {
+                                errors.push(e);
+                            }
+                        }
+                    }
                 }
             }
             continue;

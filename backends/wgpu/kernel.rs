@@ -209,7 +209,14 @@ pub(crate) fn specialize(src: &str, values: &[(&str, usize)]) -> String {
 
 /// The cooperative-matrix kernel's WGSL for head dim `d`, `nw` subgroups and `bk` keys a tile.
 pub(crate) fn coop_source(d: usize, nw: usize, bk: usize) -> String {
-    specialize(FLASH_COOP_SRC, &[("D", d), ("NW", nw), ("BK", bk)])
+    specialize(FLASH_COOP_SRC, &[("D", d), ("NW", nw), ("BK", bk), ("DEBUG", coop_debug_stage())])
+}
+
+/// `ATTNKIT_WGPU_COOP_DEBUG=stage` (read once; diagnosis only, see flash_attn_coop.wgsl): the
+/// cooperative-matrix kernel stops after a stage of its first tile and writes that stage out.
+fn coop_debug_stage() -> usize {
+    static STAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *STAGE.get_or_init(|| std::env::var("ATTNKIT_WGPU_COOP_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
 }
 
 /// The cooperative-matrix kernel's pipeline: SPIR-V written by naga and mended for the Vulkan
