@@ -5,7 +5,7 @@
 mod common;
 
 use attnkit::wgpu::{Kernel, WgpuBackend};
-use attnkit::{AttentionBackend, DType, LayoutKind, Params};
+use attnkit::{AttentionBackend, DType, LayoutKind, Params, Tensor};
 use common::*;
 
 /// The backend, or `None` when `ATTNKIT_SKIP` names wgpu and there is no adapter.
@@ -420,4 +420,48 @@ fn coop_debug_stage() {
         }
     }
     assert_eq!(bad, 0, "{bad} cases differ at stage {stage}");
+}
+
+/// With `ATTNKIT_WGPU_COOP_DEBUG=2`: which K elements the first tile's scores read. Q is the
+/// identity (row r picks column r), so score (r, c) is the element the kernel saw as K[c][r];
+/// K[j][x] = j + x / 64 names its own place. Prints every place read wrong.
+#[test]
+#[ignore]
+fn coop_debug_scores_by_place() {
+    let Some(mut be) = be() else { return };
+    assert!(be.has_cooperative_matrices(), "adapter {} has no cooperative matrices", be.adapter_name());
+    be.set_kernel(Some(Kernel::Coop));
+    let (d, n) = (64, 64);
+    let mut case = case_of(LayoutKind::Dense, DType::F16, vec![(n, n)]);
+    (case.hkv, case.group, case.d) = (1, 1, d);
+    let mut built = case.build();
+    let eye: Vec<f64> = (0..n * d).map(|i| if i / d == i % d { 1.0 } else { 0.0 }).collect();
+    let named: Vec<f64> = (0..n * d).map(|i| ((i / d) % 32) as f64 + (i % d) as f64 / 64.0).collect();
+    let mut wrong = 0;
+    // First Q = identity (score (r, c) = K[c][r] as read), then K = identity (= Q[r][c] as read).
+    for (side, q, k) in [("K", &eye, &named), ("Q", &named, &eye)] {
+        built.q = Tensor::from_f64(&[1, n, 1, d], DType::F16, q).unwrap();
+        built.k = Tensor::from_f64(&[1, n, 1, d], DType::F16, k).unwrap();
+        let got = run_on(&be, &case, &built).expect("coop kernel").out;
+        let mut shown = 0;
+        for r in 0..n {
+            for c in 0..16 {
+                let v = got[r * d + c];
+                let (a, b) = if side == "K" { (c, r) } else { (r % 32, c) };
+                let want = a as f64 + b as f64 / 64.0;
+                if (v - want).abs() > 1e-3 {
+                    wrong += 1;
+                    shown += 1;
+                    if shown <= 48 {
+                        let (j, x) = (v.floor(), (v - v.floor()) * 64.0);
+                        eprintln!(
+                            "{side} side, score (row {r}, key {c}): read {v:.5} = [{j}][{x:.2}], want [{a}][{b}]"
+                        );
+                    }
+                }
+            }
+        }
+        eprintln!("{side} side: {shown} of {} places read wrong", n * 16);
+    }
+    assert_eq!(wrong, 0);
 }
