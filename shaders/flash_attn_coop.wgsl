@@ -29,7 +29,8 @@ const NW: u32 = 4u; // @spec subgroups of 32 per workgroup
 const BK: u32 = 32u; // @spec keys per tile, a multiple of 16, at least 8 * NW
 // Diagnosis only (0 in use): 2, 3, 4 stop after the first tile's scores, probabilities or output
 // and write that stage's first 16 columns of every row to the output; 5 writes the row's softmax
-// state and key range.
+// state and key range; 6 writes the first tile's K rows as plain loads read them from workgroup
+// memory, 7 the first K^T block as the cooperative load read it (row r of the output: d = r).
 const DEBUG: u32 = 0u; // @spec
 
 const BQ: u32 = 16u * NW;
@@ -393,6 +394,19 @@ fn main(
             let w = kv_words(tid + it * WG, jn, end, kvi, hkv, kh);
             kw[it] = w.xy;
             vw[it] = w.zw;
+        }
+
+        if (DEBUG == 6u) {
+            let x = (lane / 2u) * KS + half * 8u;
+            debug_put(s, i, h, hq, half, vec4<f32>(f32(kvs[x]), f32(kvs[x + 1u]), f32(kvs[x + 2u]), f32(kvs[x + 3u])), vec4<f32>(f32(kvs[x + 4u]), f32(kvs[x + 5u]), f32(kvs[x + 6u]), f32(kvs[x + 7u])));
+            return;
+        }
+        if (DEBUG == 7u) {
+            coopStoreT(kt(0u, 0u), &ps[sg * 16u * PS], PS);
+            workgroupBarrier();
+            let x = sg * 16u * PS + (lane / 2u) * PS + half * 8u;
+            debug_put(s, i, h, hq, half, vec4<f32>(f32(ps[x]), f32(ps[x + 1u]), f32(ps[x + 2u]), f32(ps[x + 3u])), vec4<f32>(f32(ps[x + 4u]), f32(ps[x + 5u]), f32(ps[x + 6u]), f32(ps[x + 7u])));
+            return;
         }
 
         // 2. S = Q K^T. K^T as a column-major B matrix: element (d, j) at kvs[j * KS + d].

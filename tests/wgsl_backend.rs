@@ -465,3 +465,38 @@ fn coop_debug_scores_by_place() {
     }
     assert_eq!(wrong, 0);
 }
+
+/// With `ATTNKIT_WGPU_COOP_DEBUG=6` (plain loads of the first K tile from workgroup memory) or
+/// `7` (the first K^T block through the cooperative column-major load): for the first 16 rows,
+/// which K element each of 16 places holds, K[j][x] = j + x / 64 naming its place.
+#[test]
+#[ignore]
+fn coop_debug_k_tile() {
+    let stage: usize = std::env::var("ATTNKIT_WGPU_COOP_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+    assert!(stage == 6 || stage == 7, "set ATTNKIT_WGPU_COOP_DEBUG to 6 or 7");
+    let Some(mut be) = be() else { return };
+    be.set_kernel(Some(Kernel::Coop));
+    let (d, n) = (64, 64);
+    let mut case = case_of(LayoutKind::Dense, DType::F16, vec![(n, n)]);
+    (case.hkv, case.group, case.d) = (1, 1, d);
+    let mut built = case.build();
+    let named: Vec<f64> = (0..n * d).map(|i| ((i / d) % 32) as f64 + (i % d) as f64 / 64.0).collect();
+    built.k = Tensor::from_f64(&[1, n, 1, d], DType::F16, &named).unwrap();
+    let got = run_on(&be, &case, &built).expect("coop kernel").out;
+    let mut wrong = 0;
+    for r in 0..16 {
+        let row: Vec<String> = (0..16)
+            .map(|c| {
+                let v = got[r * d + c];
+                let (a, b) = if stage == 6 { (r, c) } else { (c, r) };
+                if (v - (a as f64 + b as f64 / 64.0)).abs() > 1e-3 {
+                    wrong += 1;
+                }
+                format!("{}/{}", v.floor(), ((v - v.floor()) * 64.0).round())
+            })
+            .collect();
+        eprintln!("stage {stage} row {r}: {}", row.join(" "));
+    }
+    eprintln!("stage {stage}: {wrong} of 256 places wrong");
+    assert_eq!(wrong, 0);
+}

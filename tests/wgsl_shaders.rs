@@ -65,7 +65,7 @@ fn every_specialisation_validates() {
                     }
                     // The diagnosis stages (ATTNKIT_WGPU_COOP_DEBUG) on one tile.
                     if (d, nw, bk) == (64, 4, 32) {
-                        for stage in 2..=5 {
+                        for stage in 2..=7 {
                             let s = specialize(&src, &[("D", d), ("NW", nw), ("BK", bk), ("DEBUG", stage)]);
                             if let Err(e) = validate(&format!("{name} (debug stage {stage})"), &s) {
                                 errors.push(e);
