@@ -500,3 +500,189 @@ fn coop_debug_k_tile() {
     eprintln!("stage {stage}: {wrong} of 256 places wrong");
     assert_eq!(wrong, 0);
 }
+
+/// The cooperative-matrix operations in the settings of the kernel, each checked exactly against
+/// a CPU product: the kernel's workgroup arrays and strides, offsets the compiler cannot see
+/// (read from a buffer), offsets per subgroup, a load inside a helper function, an accumulation
+/// in a loop. Reports every variant and fails if any is wrong. Needs cooperative matrices
+/// (elsewhere: a loud NOT RUN, or a failure under `ATTNKIT_REQUIRE_COOP=1`).
+#[test]
+fn coop_operations_in_kernel_settings() {
+    // (name, subgroups, A offset, B load, C offset, times the product is accumulated, B^T?)
+    let variants: [(&str, u32, &str, &str, &str, u32, bool); 10] = [
+        ("constant offsets", 1, "0u", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 1, false),
+        ("constant, B column-major", 1, "0u", "coopLoad<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 1, true),
+        ("A at a runtime offset", 1, "z", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 1, false),
+        ("B at a runtime offset", 1, "0u", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS + z], KS)", "0u", 1, false),
+        (
+            "B column-major at a runtime offset",
+            1,
+            "0u",
+            "coopLoad<coop_mat16x16<f16, B>>(&kvs[32u * KS + z], KS)",
+            "0u",
+            1,
+            true,
+        ),
+        ("C at a runtime offset", 1, "0u", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "z", 1, false),
+        (
+            "C per subgroup, 4 subgroups",
+            4,
+            "0u",
+            "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)",
+            "sg * 16u * SS",
+            1,
+            false,
+        ),
+        ("B column-major through a helper", 1, "0u", "kt(z, 0u)", "0u", 1, true),
+        ("accumulated in a loop", 1, "0u", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 3, false),
+        ("all runtime, 4 subgroups", 4, "z", "kt(z, z)", "sg * 16u * SS + z", 2, true),
+    ];
+    let sources: Vec<String> = variants
+        .iter()
+        .map(|&(_, nsg, aoff, bload, coff, reps, _)| {
+            format!(
+                r#"
+enable f16;
+enable wgpu_cooperative_matrix;
+const KS: u32 = 72u;
+const SS: u32 = 36u;
+@group(0) @binding(0) var<storage, read> inp: array<f32>;
+@group(0) @binding(1) var<storage, read_write> outp: array<f32>;
+var<workgroup> kvs: array<f16, 4608>;
+var<workgroup> ss: array<f32, 2304>;
+var<workgroup> ps: array<f16, 2560>;
+fn kt(kb2: u32, n: u32) -> coop_mat16x16<f16, B> {{
+    return coopLoad<coop_mat16x16<f16, B>>(&kvs[32u * KS + kb2 * 16u * KS + n * 16u], KS);
+}}
+@compute @workgroup_size({wgs})
+fn main(@builtin(local_invocation_index) t: u32) {{
+    let z = u32(inp[512]);
+    let sg = t / 32u;
+    let lane = t % 32u;
+    for (var e = t; e < 256u; e += {wgs}u) {{
+        kvs[(e / 16u) * KS + e % 16u] = f16(inp[e]);
+        kvs[(32u + e / 16u) * KS + e % 16u] = f16(inp[256u + e]);
+        ps[e] = f16(0.0);
+    }}
+    workgroupBarrier();
+    let am = coopLoadT<coop_mat16x16<f16, A>>(&kvs[{aoff}], KS);
+    var acc = coop_mat16x16<f32, C>();
+    for (var r = 0u; r < {reps}u; r++) {{
+        acc = coopMultiplyAdd(am, {bload}, acc);
+    }}
+    coopStoreT(acc, &ss[{coff}], SS);
+    workgroupBarrier();
+    for (var e = lane; e < 256u; e += 32u) {{
+        outp[sg * 256u + e] = ss[{coff} + (e / 16u) * SS + e % 16u];
+    }}
+}}
+"#,
+                wgs = 32 * nsg
+            )
+        })
+        .collect();
+    // Every variant is valid WGSL, on any machine.
+    for (src, v) in sources.iter().zip(&variants) {
+        let module = naga::front::wgsl::parse_str(src).unwrap_or_else(|e| panic!("{}: {}", v.0, e.emit_to_string(src)));
+        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
+            .validate(&module)
+            .unwrap_or_else(|e| panic!("{}: {}", v.0, e.emit_to_string(src)));
+    }
+    let Some(be) = be() else { return };
+    if !be.has_cooperative_matrices() {
+        let required = std::env::var("ATTNKIT_REQUIRE_COOP").is_ok_and(|v| v == "1");
+        assert!(!required, "ATTNKIT_REQUIRE_COOP=1, but adapter {} has no cooperative matrices", be.adapter_name());
+        eprintln!(
+            "\n*** wgpu: cooperative-matrix operations check NOT RUN: adapter {} has none ***\n",
+            be.adapter_name()
+        );
+        return;
+    }
+    let mut bad = Vec::new();
+    for ((name, nsg, _, _, _, reps, bt), src) in variants.into_iter().zip(&sources) {
+        let got = coop_run(&be, src, 4 * 256);
+        let (a, b) = coop_inputs();
+        let mut want = vec![0f32; 256];
+        for i in 0..16 {
+            for j in 0..16 {
+                for k in 0..16 {
+                    want[i * 16 + j] += a[i * 16 + k] * if bt { b[j * 16 + k] } else { b[k * 16 + j] } * reps as f32;
+                }
+            }
+        }
+        let mut ok = true;
+        for s in 0..nsg as usize {
+            if got[s * 256..(s + 1) * 256] != want[..] {
+                ok = false;
+                eprintln!(
+                    "coop {name}: subgroup {s} wrong; first row {:?}, want {:?}",
+                    &got[s * 256..s * 256 + 16],
+                    &want[..16]
+                );
+            }
+        }
+        eprintln!("coop {name}: {}", if ok { "ok" } else { "WRONG" });
+        if !ok {
+            bad.push(name);
+        }
+    }
+    assert!(bad.is_empty(), "cooperative operations wrong: {bad:?}");
+}
+
+/// 16x16 A and B of small integers (exact in f16 inputs and f32 sums), and a runtime zero.
+fn coop_inputs() -> (Vec<f32>, Vec<f32>) {
+    let a: Vec<f32> = (0..256).map(|i| ((i * 7 + 3) % 11) as f32 - 5.0).collect();
+    let b: Vec<f32> = (0..256).map(|i| ((i * 5 + 1) % 13) as f32 - 6.0).collect();
+    (a, b)
+}
+
+fn coop_run(be: &WgpuBackend, src: &str, n_out: usize) -> Vec<f32> {
+    use wgpu::util::DeviceExt;
+    let (dev, queue) = (be.wgpu_device(), be.wgpu_queue());
+    let (a, b) = coop_inputs();
+    let mut input: Vec<f32> = a.iter().chain(&b).copied().collect();
+    input.extend([0.0; 8]);
+    let inb = dev.create_buffer_init(&wgpu::util::BufferInitDescriptor {
+        label: None,
+        contents: bytemuck::cast_slice(&input),
+        usage: wgpu::BufferUsages::STORAGE,
+    });
+    let size = (n_out * 4) as u64;
+    let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
+    let outb = dev.create_buffer(&wgpu::BufferDescriptor { label: None, size, usage, mapped_at_creation: false });
+    let read = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
+    let rb = dev.create_buffer(&wgpu::BufferDescriptor { label: None, size, usage: read, mapped_at_creation: false });
+    let module = dev.create_shader_module(wgpu::ShaderModuleDescriptor {
+        label: Some("coop check"),
+        source: wgpu::ShaderSource::Wgsl(src.into()),
+    });
+    let pipe = dev.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
+        label: None,
+        layout: None,
+        module: &module,
+        entry_point: Some("main"),
+        compilation_options: Default::default(),
+        cache: None,
+    });
+    let bg = dev.create_bind_group(&wgpu::BindGroupDescriptor {
+        label: None,
+        layout: &pipe.get_bind_group_layout(0),
+        entries: &[
+            wgpu::BindGroupEntry { binding: 0, resource: inb.as_entire_binding() },
+            wgpu::BindGroupEntry { binding: 1, resource: outb.as_entire_binding() },
+        ],
+    });
+    let mut enc = dev.create_command_encoder(&Default::default());
+    {
+        let mut pass = enc.begin_compute_pass(&Default::default());
+        pass.set_pipeline(&pipe);
+        pass.set_bind_group(0, &bg, &[]);
+        pass.dispatch_workgroups(1, 1, 1);
+    }
+    enc.copy_buffer_to_buffer(&outb, 0, &rb, 0, size);
+    queue.submit([enc.finish()]);
+    rb.slice(..).map_async(wgpu::MapMode::Read, |r| r.unwrap());
+    dev.poll(wgpu::PollType::wait_indefinitely()).unwrap();
+    let v: Vec<f32> = bytemuck::cast_slice(&rb.slice(..).get_mapped_range().unwrap()).to_vec();
+    v
+}
