@@ -509,7 +509,7 @@ fn coop_debug_k_tile() {
 #[test]
 fn coop_operations_in_kernel_settings() {
     // (name, subgroups, A offset, B load, C offset, times the product is accumulated, B^T?)
-    let variants: [(&str, u32, &str, &str, &str, u32, bool); 10] = [
+    let variants: [(&str, u32, &str, &str, &str, u32, bool); 13] = [
         ("constant offsets", 1, "0u", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 1, false),
         ("constant, B column-major", 1, "0u", "coopLoad<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 1, true),
         ("A at a runtime offset", 1, "z", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 1, false),
@@ -536,10 +536,45 @@ fn coop_operations_in_kernel_settings() {
         ("B column-major through a helper", 1, "0u", "kt(z, 0u)", "0u", 1, true),
         ("accumulated in a loop", 1, "0u", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 3, false),
         ("all runtime, 4 subgroups", 4, "z", "kt(z, z)", "sg * 16u * SS + z", 2, true),
+        ("beside the kernel's flag, range and factor variables", 1, "0u", "kt(0u, 0u)", "0u", 1, true),
+        ("after a subgroup shuffle", 1, "0u", "kt(0u, 0u)", "0u", 1, true),
+        (
+            "the kernel's variables, shuffle, runtime offsets, 4 subgroups",
+            4,
+            "z",
+            "kt(z, 0u)",
+            "sg * 16u * SS",
+            1,
+            true,
+        ),
     ];
+    // Extra declarations and statements (after the first barrier) of the last three variants.
+    let extra = |name: &str| -> (&str, &str) {
+        let vars =
+            "var<workgroup> al: array<f32, 64>;\nvar<workgroup> flag: atomic<u32>;\nvar<workgroup> u_range: vec2<i32>;";
+        let use_vars = "if (t == 0u) { u_range = vec2<i32>(0, 32); atomicStore(&flag, 0u); }\n    \
+                        let rg = workgroupUniformLoad(&u_range);\n    al[t % 64u] = f32(rg.y);\n    \
+                        atomicOr(&flag, t);\n    let fl = workgroupUniformLoad(&flag);\n    ps[t] = f16(al[(t + 1u) % 64u] + f32(fl));";
+        let shuffle = "ps[t + 128u] = f16(subgroupShuffleXor(f32(t), 1u));";
+        if name.starts_with("beside") {
+            (vars, use_vars)
+        } else if name.starts_with("after") {
+            ("", shuffle)
+        } else if name.starts_with("the kernel's") {
+            (vars, "")
+        } else {
+            ("", "")
+        }
+    };
     let sources: Vec<String> = variants
         .iter()
-        .map(|&(_, nsg, aoff, bload, coff, reps, _)| {
+        .map(|&(name, nsg, aoff, bload, coff, reps, _)| {
+            let (decl, pre) = extra(name);
+            let pre = if name.starts_with("the kernel's") {
+                format!("{}\n    {}", extra("beside").1, extra("after").1)
+            } else {
+                pre.to_string()
+            };
             format!(
                 r#"
 enable f16;
@@ -551,6 +586,7 @@ const SS: u32 = 36u;
 var<workgroup> kvs: array<f16, 4608>;
 var<workgroup> ss: array<f32, 2304>;
 var<workgroup> ps: array<f16, 2560>;
+{decl}
 fn kt(kb2: u32, n: u32) -> coop_mat16x16<f16, B> {{
     return coopLoad<coop_mat16x16<f16, B>>(&kvs[32u * KS + kb2 * 16u * KS + n * 16u], KS);
 }}
@@ -565,6 +601,7 @@ fn main(@builtin(local_invocation_index) t: u32) {{
         ps[e] = f16(0.0);
     }}
     workgroupBarrier();
+    {pre}
     let am = coopLoadT<coop_mat16x16<f16, A>>(&kvs[{aoff}], KS);
     var acc = coop_mat16x16<f32, C>();
     for (var r = 0u; r < {reps}u; r++) {{
