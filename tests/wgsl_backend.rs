@@ -509,7 +509,7 @@ fn coop_debug_k_tile() {
 #[test]
 fn coop_operations_in_kernel_settings() {
     // (name, subgroups, A offset, B load, C offset, times the product is accumulated, B^T?)
-    let variants: [(&str, u32, &str, &str, &str, u32, bool); 13] = [
+    let variants: [(&str, u32, &str, &str, &str, u32, bool); 17] = [
         ("constant offsets", 1, "0u", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 1, false),
         ("constant, B column-major", 1, "0u", "coopLoad<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 1, true),
         ("A at a runtime offset", 1, "z", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 1, false),
@@ -562,6 +562,20 @@ fn coop_operations_in_kernel_settings() {
             ("", shuffle)
         } else if name.starts_with("the kernel's") {
             (vars, "")
+        } else if name == "beside an f32 array" {
+            ("var<workgroup> al: array<f32, 64>;", "al[t % 64u] = f32(t);\n    ps[t] = f16(al[(t + 1u) % 64u]);")
+        } else if name == "beside an atomic" {
+            (
+                "var<workgroup> flag: atomic<u32>;",
+                "atomicOr(&flag, t);\n    workgroupBarrier();\n    ps[t] = f16(f32(atomicLoad(&flag)));",
+            )
+        } else if name == "beside a vec2<i32>" {
+            ("var<workgroup> u_range: vec2<i32>;", "if (t == 0u) { u_range = vec2<i32>(0, 32); }\n    workgroupBarrier();\n    ps[t] = f16(f32(u_range.y));")
+        } else if name.starts_with("beside a u32") {
+            (
+                "var<workgroup> fl: u32;",
+                "if (t == 0u) { fl = 7u; }\n    let f = workgroupUniformLoad(&fl);\n    ps[t] = f16(f32(f));",
+            )
         } else {
             ("", "")
         }
