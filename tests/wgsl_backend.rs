@@ -547,6 +547,10 @@ fn coop_operations_in_kernel_settings() {
             1,
             true,
         ),
+        ("beside an f32 array", 1, "0u", "kt(0u, 0u)", "0u", 1, true),
+        ("beside an atomic", 1, "0u", "kt(0u, 0u)", "0u", 1, true),
+        ("beside a vec2<i32>", 1, "0u", "kt(0u, 0u)", "0u", 1, true),
+        ("beside a u32 read by workgroupUniformLoad", 1, "0u", "kt(0u, 0u)", "0u", 1, true),
     ];
     // Extra declarations and statements (after the first barrier) of the last three variants.
     let extra = |name: &str| -> (&str, &str) {
