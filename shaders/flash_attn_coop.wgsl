@@ -79,14 +79,20 @@ const M_OFF_ALIBI: u32 = 20u;
 
 // K tile (rows 0..BK) then V tile (rows BK..2BK); before the first tile, the Q tile (BQ <= 2BK).
 var<workgroup> kvs: array<f16, 2u * BK * KS>;
-// Per subgroup 16 rows: S, then pieces of O.
-var<workgroup> ss: array<f32, NW * 16u * SS>;
+// Per subgroup 16 rows: S, then pieces of O. Then, at AL, per row this tile's rescale factor
+// (at the end 1 / l); at FLAG, 1 when some row moved its max this tile; at RANGE, the
+// workgroup's key range (bit patterns of two i32).
+//
+// Every workgroup value lives in one of these three arrays, on purpose: on an H200 (driver
+// 580) the cooperative loads and stores read and wrote at wrong places as soon as the shader
+// also declared small workgroup variables (an atomic flag, a vec2, a 64-float array), while
+// plain loads and stores were right; `coop_operations_in_kernel_settings` checks it.
+const AL: u32 = NW * 16u * SS;
+const FLAG: u32 = AL + BQ;
+const RANGE: u32 = FLAG + 1u;
+var<workgroup> ss: array<f32, NW * 16u * SS + BQ + 4u>;
 // Per subgroup 16 rows: P.
 var<workgroup> ps: array<f16, NW * 16u * PS>;
-// Per row: this tile's rescale factor; at the end 1 / l.
-var<workgroup> al: array<f32, BQ>;
-var<workgroup> flag: atomic<u32>;
-var<workgroup> u_range: vec2<i32>;
 
 // Integer test, so that no finite-math assumption of a compiler can remove it.
 fn finite4(x: vec4<f32>) -> vec4<f32> {
@@ -209,7 +215,7 @@ fn rescaled(m: coop_mat16x16<f32, C>, sg: u32, lane: u32) -> coop_mat16x16<f32, 
         let idx = lane + e * 32u;
         let rr = idx / 16u;
         let at = sg * 16u * SS + rr * SS + idx % 16u;
-        ss[at] = ss[at] * al[sg * 16u + rr];
+        ss[at] = ss[at] * ss[AL + sg * 16u + rr];
     }
     workgroupBarrier();
     let r = coopLoadT<coop_mat16x16<f32, C>>(&ss[sg * 16u * SS], SS);
@@ -229,7 +235,7 @@ fn emit(m: coop_mat16x16<f32, C>, n: u32, sg: u32, lane: u32, i0: u32, s: Seq, h
         let at = sg * 16u * SS + rr * SS + c4 * 4u;
         let ii = i0 + sg * 16u + rr;
         if (ii < s.ql) {
-            let v = vec4<f32>(ss[at], ss[at + 1u], ss[at + 2u], ss[at + 3u]) * al[sg * 16u + rr];
+            let v = vec4<f32>(ss[at], ss[at + 1u], ss[at + 2u], ss[at + 3u]) * ss[AL + sg * 16u + rr];
             let row = s.q0 + ii;
             let col4 = n * 4u + c4;
             if (splits == 1u) {
@@ -296,11 +302,11 @@ fn main(
     // through workgroup memory. A workgroup past the sequence's end computes nothing (and stores
     // nothing: every store below is guarded by the row).
     if (tid == 0u) {
-        u_range = vec2<i32>(st, select(st, en, i0 < s.ql));
+        ss[RANGE] = bitcast<f32>(st);
+        ss[RANGE + 1u] = bitcast<f32>(select(st, en, i0 < s.ql));
     }
-    let range = workgroupUniformLoad(&u_range);
-    let start = range.x;
-    let end = range.y;
+    let start = bitcast<i32>(workgroupUniformLoad(&ss[RANGE]));
+    let end = bitcast<i32>(workgroupUniformLoad(&ss[RANGE + 1u]));
 
     // This invocation's softmax row (of the workgroup's BQ) and half of the tile's keys.
     let r = sg * 16u + lane / 2u;
@@ -386,7 +392,7 @@ fn main(
             }
         }
         if (tid == 0u) {
-            atomicStore(&flag, 0u);
+            ss[FLAG] = 0.0;
         }
         workgroupBarrier();
         let jn = j0 + i32(BK);
@@ -452,7 +458,8 @@ fn main(
         if (mt > m + TAU) {
             alpha = exp(m - mt);
             m = mt;
-            atomicOr(&flag, 1u);
+            // Every writer writes the same value; the read comes after a barrier.
+            ss[FLAG] = 1.0;
         }
         var sum = 0.0;
         for (var n = 0u; n < HK; n++) {
@@ -463,10 +470,10 @@ fn main(
         }
         l = l * alpha + sum;
         if (half == 0u) {
-            al[r] = alpha;
+            ss[AL + r] = alpha;
         }
         // A barrier too: P and the factors are written.
-        let rescale = workgroupUniformLoad(&flag);
+        let rescale = workgroupUniformLoad(&ss[FLAG]);
         if (DEBUG == 3u) {
             let x = prow + half * 8u;
             debug_put(s, i, h, hq, half, vec4<f32>(f32(ps[x]), f32(ps[x + 1u]), f32(ps[x + 2u]), f32(ps[x + 3u])), vec4<f32>(f32(ps[x + 4u]), f32(ps[x + 5u]), f32(ps[x + 6u]), f32(ps[x + 7u])));
@@ -479,7 +486,7 @@ fn main(
             }
             return;
         }
-        if (rescale != 0u) {
+        if (rescale != 0.0) {
             o0 = rescaled(o0, sg, lane);
             if (DM > 1u) { o1 = rescaled(o1, sg, lane); }
             if (DM > 2u) { o2 = rescaled(o2, sg, lane); }
@@ -504,7 +511,7 @@ fn main(
         }
         if (DEBUG == 4u) {
             if (half == 0u) {
-                al[r] = 1.0;
+                ss[AL + r] = 1.0;
             }
             emit(o0, 0u, sg, lane, i0, s, h, hq, 0u, 1u);
             return;
@@ -519,7 +526,7 @@ fn main(
         if (lt > 0.0) {
             inv = 1.0 / lt;
         }
-        al[r] = inv;
+        ss[AL + r] = inv;
         if (i < s.ql) {
             let row = s.q0 + i;
             if (splits == 1u) {

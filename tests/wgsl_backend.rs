@@ -509,7 +509,7 @@ fn coop_debug_k_tile() {
 #[test]
 fn coop_operations_in_kernel_settings() {
     // (name, subgroups, A offset, B load, C offset, times the product is accumulated, B^T?)
-    let variants: [(&str, u32, &str, &str, &str, u32, bool); 17] = [
+    let variants: [(&str, u32, &str, &str, &str, u32, bool); 18] = [
         ("constant offsets", 1, "0u", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 1, false),
         ("constant, B column-major", 1, "0u", "coopLoad<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 1, true),
         ("A at a runtime offset", 1, "z", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 1, false),
@@ -551,6 +551,15 @@ fn coop_operations_in_kernel_settings() {
         ("beside an atomic", 1, "0u", "kt(0u, 0u)", "0u", 1, true),
         ("beside a vec2<i32>", 1, "0u", "kt(0u, 0u)", "0u", 1, true),
         ("beside a u32 read by workgroupUniformLoad", 1, "0u", "kt(0u, 0u)", "0u", 1, true),
+        (
+            "the kernel's flag, range and factors in the scratch's tail, 4 subgroups",
+            4,
+            "z",
+            "kt(z, 0u)",
+            "sg * 16u * SS",
+            1,
+            true,
+        ),
     ];
     // Extra declarations and statements (after the first barrier) of the last three variants.
     let extra = |name: &str| -> (&str, &str) {
@@ -575,6 +584,15 @@ fn coop_operations_in_kernel_settings() {
             )
         } else if name == "beside a vec2<i32>" {
             ("var<workgroup> u_range: vec2<i32>;", "if (t == 0u) { u_range = vec2<i32>(0, 32); }\n    workgroupBarrier();\n    ps[t] = f16(f32(u_range.y));")
+        } else if name.starts_with("the kernel's flag, range and factors in") {
+            (
+                "",
+                "if (t == 0u) { ss[2048u] = bitcast<f32>(32i); ss[2049u] = 0.0; }\n    \
+                 let rg = bitcast<i32>(workgroupUniformLoad(&ss[2048u]));\n    \
+                 ss[2050u + t % 64u] = f32(rg);\n    ss[2049u] = 1.0;\n    \
+                 let fl = workgroupUniformLoad(&ss[2049u]);\n    \
+                 ps[t] = f16(ss[2050u + (t + 1u) % 64u] + fl + subgroupShuffleXor(f32(t), 1u));",
+            )
         } else if name.starts_with("beside a u32") {
             (
                 "var<workgroup> fl: u32;",
