@@ -504,113 +504,52 @@ fn coop_debug_k_tile() {
 /// The cooperative-matrix operations in the settings of the kernel, each checked exactly against
 /// a CPU product: the kernel's workgroup arrays and strides, offsets the compiler cannot see
 /// (read from a buffer), offsets per subgroup, a load inside a helper function, an accumulation
-/// in a loop. Reports every variant and fails if any is wrong. Needs cooperative matrices
+/// in a loop, the kernel's flag and key range in the f32 scratch. Reports every variant and fails
+/// if one the kernel relies on is wrong; the patterns it avoids (small workgroup variables beside
+/// the cooperative operations, wrong on an H200) are reported only. Needs cooperative matrices
 /// (elsewhere: a loud NOT RUN, or a failure under `ATTNKIT_REQUIRE_COOP=1`).
 #[test]
 fn coop_operations_in_kernel_settings() {
-    // (name, subgroups, A offset, B load, C offset, times the product is accumulated, B^T?)
-    let variants: [(&str, u32, &str, &str, &str, u32, bool); 18] = [
-        ("constant offsets", 1, "0u", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 1, false),
-        ("constant, B column-major", 1, "0u", "coopLoad<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 1, true),
-        ("A at a runtime offset", 1, "z", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 1, false),
-        ("B at a runtime offset", 1, "0u", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS + z], KS)", "0u", 1, false),
-        (
-            "B column-major at a runtime offset",
-            1,
-            "0u",
-            "coopLoad<coop_mat16x16<f16, B>>(&kvs[32u * KS + z], KS)",
-            "0u",
-            1,
-            true,
-        ),
-        ("C at a runtime offset", 1, "0u", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "z", 1, false),
-        (
-            "C per subgroup, 4 subgroups",
-            4,
-            "0u",
-            "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)",
-            "sg * 16u * SS",
-            1,
-            false,
-        ),
-        ("B column-major through a helper", 1, "0u", "kt(z, 0u)", "0u", 1, true),
-        ("accumulated in a loop", 1, "0u", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 3, false),
-        ("all runtime, 4 subgroups", 4, "z", "kt(z, z)", "sg * 16u * SS + z", 2, true),
-        ("beside the kernel's flag, range and factor variables", 1, "0u", "kt(0u, 0u)", "0u", 1, true),
-        ("after a subgroup shuffle", 1, "0u", "kt(0u, 0u)", "0u", 1, true),
-        (
-            "the kernel's variables, shuffle, runtime offsets, 4 subgroups",
-            4,
-            "z",
-            "kt(z, 0u)",
-            "sg * 16u * SS",
-            1,
-            true,
-        ),
-        ("beside an f32 array", 1, "0u", "kt(0u, 0u)", "0u", 1, true),
-        ("beside an atomic", 1, "0u", "kt(0u, 0u)", "0u", 1, true),
-        ("beside a vec2<i32>", 1, "0u", "kt(0u, 0u)", "0u", 1, true),
-        ("beside a u32 read by workgroupUniformLoad", 1, "0u", "kt(0u, 0u)", "0u", 1, true),
-        (
-            "the kernel's flag, range and factors in the scratch's tail, 4 subgroups",
-            4,
-            "z",
-            "kt(z, 0u)",
-            "sg * 16u * SS",
-            1,
-            true,
-        ),
+    // (name, subgroups, A offset, B load, C offset, times the product is accumulated, B^T?,
+    // extra declarations, extra statements after the first barrier, must it pass?)
+    type Variant =
+        (&'static str, u32, &'static str, &'static str, &'static str, u32, bool, &'static str, &'static str, bool);
+    const LOADT: &str = "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)";
+    const SMALL: &str =
+        "var<workgroup> al: array<f32, 64>;\nvar<workgroup> flag: atomic<u32>;\nvar<workgroup> u_range: vec2<i32>;";
+    const USE_SMALL: &str = "if (t == 0u) { u_range = vec2<i32>(0, 32); atomicStore(&flag, 0u); }\n    \
+                             let rg = workgroupUniformLoad(&u_range);\n    al[t % 64u] = f32(rg.y);\n    \
+                             atomicOr(&flag, t);\n    let fl = workgroupUniformLoad(&flag);\n    \
+                             ss[2304u + t] = al[(t + 1u) % 64u] + f32(fl);";
+    // The kernel's way: the flag, the range and per-row factors in the f32 scratch's tail.
+    const TAIL: &str = "if (t == 0u) { ss[2304u] = bitcast<f32>(32i); ss[2305u] = 0.0; }\n    \
+                        let rg = bitcast<i32>(workgroupUniformLoad(&ss[2304u]));\n    \
+                        ss[2306u + t % 64u] = f32(rg);\n    ss[2305u] = 1.0;\n    \
+                        let fl = workgroupUniformLoad(&ss[2305u]);\n    \
+                        ss[2400u + t] = ss[2306u + (t + 1u) % 64u] + fl + subgroupShuffleXor(f32(t), 1u);\n    \
+                        ps[t] = f16(ss[2400u + t]);";
+    let variants: [Variant; 16] = [
+        ("constant offsets", 1, "0u", LOADT, "0u", 1, false, "", "", true),
+        ("constant, B column-major", 1, "0u", "coopLoad<coop_mat16x16<f16, B>>(&kvs[32u * KS], KS)", "0u", 1, true, "", "", true),
+        ("A at a runtime offset", 1, "z", LOADT, "0u", 1, false, "", "", true),
+        ("B at a runtime offset", 1, "0u", "coopLoadT<coop_mat16x16<f16, B>>(&kvs[32u * KS + z], KS)", "0u", 1, false, "", "", true),
+        ("B column-major at a runtime offset", 1, "0u", "coopLoad<coop_mat16x16<f16, B>>(&kvs[32u * KS + z], KS)", "0u", 1, true, "", "", true),
+        ("C at a runtime offset", 1, "0u", LOADT, "z", 1, false, "", "", true),
+        ("C per subgroup, 4 subgroups", 4, "0u", LOADT, "sg * 16u * SS", 1, false, "", "", true),
+        ("B column-major through a helper", 1, "0u", "kt(z, 0u)", "0u", 1, true, "", "", true),
+        ("accumulated in a loop", 1, "0u", LOADT, "0u", 3, false, "", "", true),
+        ("all runtime, 4 subgroups", 4, "z", "kt(z, z)", "sg * 16u * SS + z", 2, true, "", "", true),
+        ("after a subgroup shuffle", 1, "0u", "kt(0u, 0u)", "0u", 1, true, "", "ps[t + 128u] = f16(subgroupShuffleXor(f32(t), 1u));", true),
+        ("plain f16 writes to the P array first", 1, "0u", "kt(0u, 0u)", "0u", 1, true, "", "ps[t] = f16(f32(t));", true),
+        ("the kernel's values in the f32 scratch's tail, 4 subgroups", 4, "z", "kt(z, 0u)", "sg * 16u * SS", 1, true, "", TAIL, true),
+        // What the kernel avoids: on an H200 (driver 580) these went wrong. Reported, not failed.
+        ("beside small workgroup variables (f32 array, atomic, vec2)", 1, "0u", "kt(0u, 0u)", "0u", 1, true, SMALL, USE_SMALL, false),
+        ("beside an atomic alone", 1, "0u", "kt(0u, 0u)", "0u", 1, true, "var<workgroup> flag: atomic<u32>;", "atomicOr(&flag, t);\n    workgroupBarrier();\n    ss[2304u + t] = f32(atomicLoad(&flag));", false),
+        ("beside a vec2<i32> alone", 1, "0u", "kt(0u, 0u)", "0u", 1, true, "var<workgroup> u_range: vec2<i32>;", "if (t == 0u) { u_range = vec2<i32>(0, 32); }\n    workgroupBarrier();\n    ss[2304u + t] = f32(u_range.y);", false),
     ];
-    // Extra declarations and statements (after the first barrier) of the last three variants.
-    let extra = |name: &str| -> (&str, &str) {
-        let vars =
-            "var<workgroup> al: array<f32, 64>;\nvar<workgroup> flag: atomic<u32>;\nvar<workgroup> u_range: vec2<i32>;";
-        let use_vars = "if (t == 0u) { u_range = vec2<i32>(0, 32); atomicStore(&flag, 0u); }\n    \
-                        let rg = workgroupUniformLoad(&u_range);\n    al[t % 64u] = f32(rg.y);\n    \
-                        atomicOr(&flag, t);\n    let fl = workgroupUniformLoad(&flag);\n    ps[t] = f16(al[(t + 1u) % 64u] + f32(fl));";
-        let shuffle = "ps[t + 128u] = f16(subgroupShuffleXor(f32(t), 1u));";
-        if name.starts_with("beside") {
-            (vars, use_vars)
-        } else if name.starts_with("after") {
-            ("", shuffle)
-        } else if name.starts_with("the kernel's") {
-            (vars, "")
-        } else if name == "beside an f32 array" {
-            ("var<workgroup> al: array<f32, 64>;", "al[t % 64u] = f32(t);\n    ps[t] = f16(al[(t + 1u) % 64u]);")
-        } else if name == "beside an atomic" {
-            (
-                "var<workgroup> flag: atomic<u32>;",
-                "atomicOr(&flag, t);\n    workgroupBarrier();\n    ps[t] = f16(f32(atomicLoad(&flag)));",
-            )
-        } else if name == "beside a vec2<i32>" {
-            ("var<workgroup> u_range: vec2<i32>;", "if (t == 0u) { u_range = vec2<i32>(0, 32); }\n    workgroupBarrier();\n    ps[t] = f16(f32(u_range.y));")
-        } else if name.starts_with("the kernel's flag, range and factors in") {
-            (
-                "",
-                "if (t == 0u) { ss[2048u] = bitcast<f32>(32i); ss[2049u] = 0.0; }\n    \
-                 let rg = bitcast<i32>(workgroupUniformLoad(&ss[2048u]));\n    \
-                 ss[2050u + t % 64u] = f32(rg);\n    ss[2049u] = 1.0;\n    \
-                 let fl = workgroupUniformLoad(&ss[2049u]);\n    \
-                 ps[t] = f16(ss[2050u + (t + 1u) % 64u] + fl + subgroupShuffleXor(f32(t), 1u));",
-            )
-        } else if name.starts_with("beside a u32") {
-            (
-                "var<workgroup> fl: u32;",
-                "if (t == 0u) { fl = 7u; }\n    let f = workgroupUniformLoad(&fl);\n    ps[t] = f16(f32(f));",
-            )
-        } else {
-            ("", "")
-        }
-    };
     let sources: Vec<String> = variants
         .iter()
-        .map(|&(name, nsg, aoff, bload, coff, reps, _)| {
-            let (decl, pre) = extra(name);
-            let pre = if name.starts_with("the kernel's") {
-                format!("{}\n    {}", extra("beside").1, extra("after").1)
-            } else {
-                pre.to_string()
-            };
+        .map(|&(_, nsg, aoff, bload, coff, reps, _, decl, pre, _)| {
             format!(
                 r#"
 enable f16;
@@ -620,7 +559,7 @@ const SS: u32 = 36u;
 @group(0) @binding(0) var<storage, read> inp: array<f32>;
 @group(0) @binding(1) var<storage, read_write> outp: array<f32>;
 var<workgroup> kvs: array<f16, 4608>;
-var<workgroup> ss: array<f32, 2304>;
+var<workgroup> ss: array<f32, 2560>;
 var<workgroup> ps: array<f16, 2560>;
 {decl}
 fn kt(kb2: u32, n: u32) -> coop_mat16x16<f16, B> {{
@@ -672,7 +611,7 @@ fn main(@builtin(local_invocation_index) t: u32) {{
         return;
     }
     let mut bad = Vec::new();
-    for ((name, nsg, _, _, _, reps, bt), src) in variants.into_iter().zip(&sources) {
+    for ((name, nsg, _, _, _, reps, bt, _, _, must), src) in variants.into_iter().zip(&sources) {
         let got = coop_run(&be, src, 4 * 256);
         let (a, b) = coop_inputs();
         let mut want = vec![0f32; 256];
@@ -694,8 +633,13 @@ fn main(@builtin(local_invocation_index) t: u32) {{
                 );
             }
         }
-        eprintln!("coop {name}: {}", if ok { "ok" } else { "WRONG" });
-        if !ok {
+        let what = match (ok, must) {
+            (true, _) => "ok",
+            (false, true) => "WRONG",
+            (false, false) => "wrong (a pattern the kernel avoids; reported, not failed)",
+        };
+        eprintln!("coop {name}: {what}");
+        if !ok && must {
             bad.push(name);
         }
     }

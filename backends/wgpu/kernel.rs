@@ -40,8 +40,8 @@ pub enum Kernel {
     MicroTile,
     /// `flash_attn_coop.wgsl`: cooperative matrices (tensor cores), f16 only, head dims that are
     /// multiples of 32, on devices that have them ([`super::WgpuBackend::has_cooperative_matrices`]).
-    /// Not chosen by the planner unless `ATTNKIT_WGPU_COOP=on`: it failed a case of its test on
-    /// an H200 and is not yet trusted.
+    /// Chosen for f16 calls of 32 or more queries where it fits (`ATTNKIT_WGPU_COOP=manual`: only
+    /// when forced; `=off`: never).
     Coop,
 }
 

@@ -193,12 +193,12 @@ fn coop_allowed() -> bool {
     std::env::var("ATTNKIT_WGPU_COOP").map_or(true, |v| v != "off")
 }
 
-/// `ATTNKIT_WGPU_COOP=on` lets the planner choose the cooperative-matrix kernel by itself. Off by
-/// default: the kernel has not yet passed its test on a GPU (it failed a case on an H200), so it
-/// runs only where asked for ([`WgpuBackend::set_kernel`] with [`Kernel::Coop`], or this variable).
+/// Whether the planner chooses the cooperative-matrix kernel by itself where it fits (the
+/// default); `ATTNKIT_WGPU_COOP=manual` opens the device with the features but runs the kernel
+/// only where asked for ([`WgpuBackend::set_kernel`] with [`Kernel::Coop`]), for comparisons.
 pub(crate) fn coop_auto() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("ATTNKIT_WGPU_COOP").is_ok_and(|v| v == "on"))
+    *ON.get_or_init(|| std::env::var("ATTNKIT_WGPU_COOP").map_or(true, |v| v != "manual"))
 }
 
 /// The features are there, and subgroups are exactly 32 wide (the kernel's strips assume it), on
