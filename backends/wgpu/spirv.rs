@@ -5,8 +5,9 @@
 //! it, but it still writes every workgroup load and store as a *private* access and every barrier
 //! without availability or visibility operations (gfx-rs/wgpu#8805). Under that model a private
 //! access is not ordered by a barrier with respect to other invocations, so a driver may move a
-//! read of a tile in workgroup memory across the barrier that was meant to publish it. On an H200
-//! the kernel's output was wrong in every case this way, while a single 16x16 product was right.
+//! read of a tile in workgroup memory across the barrier that was meant to publish it. (On the
+//! H200 this was not what made the kernel's output wrong, see flash_attn_coop.wgsl's note on its
+//! workgroup arrays; the module is mended so that it is correct by the model it declares.)
 //!
 //! [`non_private_workgroup`] mends the words naga wrote: every access through a workgroup pointer
 //! (loads, stores, cooperative-matrix loads and stores) gets `NonPrivatePointer`, and every barrier
