@@ -139,6 +139,18 @@ fn caller_device_and_buffers() {
     check_close("out", &got, &want, atol, rtol).unwrap();
 }
 
+/// Whether `be` has cooperative matrices. If not, `ATTNKIT_REQUIRE_COOP=1` (set where the GPU has
+/// them) makes that a failure; otherwise it says loudly that `what` did not run.
+fn coop_present(be: &WgpuBackend, what: &str) -> bool {
+    if be.has_cooperative_matrices() {
+        return true;
+    }
+    let required = std::env::var("ATTNKIT_REQUIRE_COOP").is_ok_and(|v| v == "1");
+    assert!(!required, "ATTNKIT_REQUIRE_COOP=1, but adapter {} has no cooperative matrices", be.adapter_name());
+    eprintln!("\n*** wgpu: {what} NOT RUN: adapter {} has no cooperative matrices ***\n", be.adapter_name());
+    false
+}
+
 /// The cooperative-matrix kernel, forced, against the reference on random f16 cases (queries
 /// long enough for full and ragged 64-row tiles, every layout and mask). On an adapter without
 /// cooperative matrices (lavapipe) it checks that forcing the kernel is a typed error, and says
@@ -152,17 +164,11 @@ fn coop_kernel_matches_reference() {
     case.dtype = DType::F16;
     case.d = 64;
     be.set_kernel(Some(Kernel::Coop));
-    if !be.has_cooperative_matrices() {
-        let required = std::env::var("ATTNKIT_REQUIRE_COOP").is_ok_and(|v| v == "1");
-        assert!(!required, "ATTNKIT_REQUIRE_COOP=1, but adapter {} has no cooperative matrices", be.adapter_name());
+    if !coop_present(&be, "cooperative-matrix kernel") {
         let built = case.build();
         let err = run_on(&be, &case, &built).err().expect("Kernel::Coop without cooperative matrices must fail");
         assert!(err.to_string().contains("Kernel::Coop"), "unexpected error: {err}");
-        eprintln!(
-            "\n*** wgpu: cooperative-matrix kernel NOT RUN: adapter {} has no cooperative matrices \
-             (forcing it gave a typed error, as it should) ***\n",
-            be.adapter_name()
-        );
+        eprintln!("wgpu: forcing Kernel::Coop there gave a typed error, as it should");
         return;
     }
     eprintln!("wgpu: cooperative-matrix kernel on {}", be.adapter_name());
@@ -232,10 +238,7 @@ fn main(@builtin(local_invocation_index) t: u32) {
 #[test]
 fn coop_layout_probe_matches_a_cpu_matmul() {
     let Some(be) = be() else { return };
-    if !be.has_cooperative_matrices() {
-        let required = std::env::var("ATTNKIT_REQUIRE_COOP").is_ok_and(|v| v == "1");
-        assert!(!required, "ATTNKIT_REQUIRE_COOP=1, but adapter {} has no cooperative matrices", be.adapter_name());
-        eprintln!("\n*** wgpu: cooperative-matrix layout probe NOT RUN: adapter {} has none ***\n", be.adapter_name());
+    if !coop_present(&be, "cooperative-matrix layout probe") {
         return;
     }
     // As the kernel uses them: rows padded (strides 40 f16 and 36 f32), blocks at offsets.
@@ -253,63 +256,8 @@ fn coop_layout_probe_matches_a_cpu_matmul() {
 }
 
 fn coop_probe_once(be: &WgpuBackend, src: &str) {
-    use wgpu::util::DeviceExt;
-    let (dev, queue) = (be.wgpu_device(), be.wgpu_queue());
-    // Small integers: every product and sum is exact in f16 inputs and f32 accumulation.
-    let a: Vec<f32> = (0..256).map(|i| ((i * 7 + 3) % 11) as f32 - 5.0).collect();
-    let b: Vec<f32> = (0..256).map(|i| ((i * 5 + 1) % 13) as f32 - 6.0).collect();
-    let input: Vec<f32> = a.iter().chain(&b).copied().collect();
-    let inb = dev.create_buffer_init(&wgpu::util::BufferInitDescriptor {
-        label: None,
-        contents: bytemuck::cast_slice(&input),
-        usage: wgpu::BufferUsages::STORAGE,
-    });
-    let usage = wgpu::BufferUsages::STORAGE | wgpu::BufferUsages::COPY_SRC;
-    let outb = dev.create_buffer(&wgpu::BufferDescriptor { label: None, size: 2048, usage, mapped_at_creation: false });
-    let read = wgpu::BufferUsages::MAP_READ | wgpu::BufferUsages::COPY_DST;
-    let rb =
-        dev.create_buffer(&wgpu::BufferDescriptor { label: None, size: 2048, usage: read, mapped_at_creation: false });
-    let module = dev.create_shader_module(wgpu::ShaderModuleDescriptor {
-        label: Some("coop probe"),
-        source: wgpu::ShaderSource::Wgsl(src.into()),
-    });
-    let pipe = dev.create_compute_pipeline(&wgpu::ComputePipelineDescriptor {
-        label: None,
-        layout: None,
-        module: &module,
-        entry_point: Some("main"),
-        compilation_options: Default::default(),
-        cache: None,
-    });
-    let bg = dev.create_bind_group(&wgpu::BindGroupDescriptor {
-        label: None,
-        layout: &pipe.get_bind_group_layout(0),
-        entries: &[
-            wgpu::BindGroupEntry { binding: 0, resource: inb.as_entire_binding() },
-            wgpu::BindGroupEntry { binding: 1, resource: outb.as_entire_binding() },
-        ],
-    });
-    let mut enc = dev.create_command_encoder(&Default::default());
-    {
-        let mut pass = enc.begin_compute_pass(&Default::default());
-        pass.set_pipeline(&pipe);
-        pass.set_bind_group(0, &bg, &[]);
-        pass.dispatch_workgroups(1, 1, 1);
-    }
-    enc.copy_buffer_to_buffer(&outb, 0, &rb, 0, 2048);
-    queue.submit([enc.finish()]);
-    rb.slice(..).map_async(wgpu::MapMode::Read, |r| r.unwrap());
-    dev.poll(wgpu::PollType::wait_indefinitely()).unwrap();
-    let got: Vec<f32> = bytemuck::cast_slice(&rb.slice(..).get_mapped_range().unwrap()).to_vec();
-    let (mut ab, mut abt) = (vec![0f32; 256], vec![0f32; 256]);
-    for i in 0..16 {
-        for j in 0..16 {
-            for k in 0..16 {
-                ab[i * 16 + j] += a[i * 16 + k] * b[k * 16 + j];
-                abt[i * 16 + j] += a[i * 16 + k] * b[j * 16 + k];
-            }
-        }
-    }
+    let got = coop_run(be, src, 512);
+    let (ab, abt) = (coop_product(false, 1), coop_product(true, 1));
     eprintln!(
         "coop probe: coopLoadT B -> first row {:?}\nA B first row {:?}\nA B^T first row {:?}",
         &got[..16],
@@ -601,27 +549,13 @@ fn main(@builtin(local_invocation_index) t: u32) {{
             .unwrap_or_else(|e| panic!("{}: {}", v.0, e.emit_to_string(src)));
     }
     let Some(be) = be() else { return };
-    if !be.has_cooperative_matrices() {
-        let required = std::env::var("ATTNKIT_REQUIRE_COOP").is_ok_and(|v| v == "1");
-        assert!(!required, "ATTNKIT_REQUIRE_COOP=1, but adapter {} has no cooperative matrices", be.adapter_name());
-        eprintln!(
-            "\n*** wgpu: cooperative-matrix operations check NOT RUN: adapter {} has none ***\n",
-            be.adapter_name()
-        );
+    if !coop_present(&be, "cooperative-matrix operations check") {
         return;
     }
     let mut bad = Vec::new();
     for ((name, nsg, _, _, _, reps, bt, _, _, must), src) in variants.into_iter().zip(&sources) {
         let got = coop_run(&be, src, 4 * 256);
-        let (a, b) = coop_inputs();
-        let mut want = vec![0f32; 256];
-        for i in 0..16 {
-            for j in 0..16 {
-                for k in 0..16 {
-                    want[i * 16 + j] += a[i * 16 + k] * if bt { b[j * 16 + k] } else { b[k * 16 + j] } * reps as f32;
-                }
-            }
-        }
+        let want = coop_product(bt, reps);
         let mut ok = true;
         for s in 0..nsg as usize {
             if got[s * 256..(s + 1) * 256] != want[..] {
@@ -644,6 +578,20 @@ fn main(@builtin(local_invocation_index) t: u32) {{
         }
     }
     assert!(bad.is_empty(), "cooperative operations wrong: {bad:?}");
+}
+
+/// `reps` times A B (or A B^T) of [`coop_inputs`], on the CPU.
+fn coop_product(bt: bool, reps: u32) -> Vec<f32> {
+    let (a, b) = coop_inputs();
+    let mut want = vec![0f32; 256];
+    for i in 0..16 {
+        for j in 0..16 {
+            for k in 0..16 {
+                want[i * 16 + j] += a[i * 16 + k] * if bt { b[j * 16 + k] } else { b[k * 16 + j] } * reps as f32;
+            }
+        }
+    }
+    want
 }
 
 /// 16x16 A and B of small integers (exact in f16 inputs and f32 sums), and a runtime zero.
