@@ -219,6 +219,39 @@ fn coop_debug_stage() -> usize {
     *STAGE.get_or_init(|| std::env::var("ATTNKIT_WGPU_COOP_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
 }
 
+/// A pipeline of a portable kernel, from its specialised WGSL through wgpu (layout reflected).
+fn wgsl_pipeline(device: &::wgpu::Device, src: String, label: &str, loop_bounding: bool) -> ::wgpu::ComputePipeline {
+    // Buffer bounds checks stay on; the loop bounding that wgpu would otherwise add to every
+    // loop (a second exit on a hidden counter) is left out, so that the driver's compiler can
+    // unroll the constant-trip loops and keep the per-thread arrays they index in registers.
+    let mut checks = ::wgpu::ShaderRuntimeChecks::checked();
+    checks.force_loop_bounding = loop_bounding;
+    // SAFETY: `force_loop_bounding = false` requires that no shader can loop forever. Every
+    // loop in shaders/*.wgsl is a counted `for` whose counter only increases, by a positive
+    // step, toward a bound fixed before the loop starts (a constant, or a value read from the
+    // metadata before the loop: a token count, far below i32::MAX since a storage binding
+    // holds at most 4 GiB); none has another back edge.
+    let module = unsafe {
+        device.create_shader_module_trusted(
+            ::wgpu::ShaderModuleDescriptor { label: Some(label), source: ::wgpu::ShaderSource::Wgsl(src.into()) },
+            checks,
+        )
+    };
+    device.create_compute_pipeline(&::wgpu::ComputePipelineDescriptor {
+        label: Some(label),
+        layout: None,
+        module: &module,
+        entry_point: Some("main"),
+        // Every workgroup array is written before it is read (each shader says how), so the
+        // zero fill wgpu would insert at every workgroup's start is wasted work.
+        compilation_options: ::wgpu::PipelineCompilationOptions {
+            zero_initialize_workgroup_memory: false,
+            ..Default::default()
+        },
+        cache: None,
+    })
+}
+
 /// The cooperative-matrix kernel's pipeline: SPIR-V written by naga and mended for the Vulkan
 /// memory model (spirv.rs), handed to the driver as it is, with its bind group layout spelled out
 /// (a pass-through module carries no reflection).
@@ -345,51 +378,25 @@ impl State {
         if let Some(p) = self.pipelines.get(&key) {
             return Ok(p.clone());
         }
-        let (src, label) = match key {
-            PipeKey::Flash(dt, d, p) if p.kernel == Kernel::Rows => (
+        let lb = self.loop_bounding;
+        let pipeline = match key {
+            PipeKey::Flash(dt, d, p) if p.kernel == Kernel::Rows => wgsl_pipeline(
+                device,
                 specialize(FLASH_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk), ("NKS", p.nks)]),
                 "attnkit flash_attn",
+                lb,
             ),
-            PipeKey::Flash(_, d, p) if p.kernel == Kernel::Coop => {
-                let pipeline = coop_pipeline(device, &coop_source(d, p.nks, p.bk))?;
-                self.pipelines.insert(key, pipeline.clone());
-                return Ok(pipeline);
-            }
-            PipeKey::Flash(dt, d, p) => (
+            PipeKey::Flash(_, d, p) if p.kernel == Kernel::Coop => coop_pipeline(device, &coop_source(d, p.nks, p.bk))?,
+            PipeKey::Flash(dt, d, p) => wgsl_pipeline(
+                device,
                 specialize(FLASH_MT_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk)]),
                 "attnkit flash_attn_mt",
+                lb,
             ),
-            PipeKey::Combine(dt, d) => (specialize(COMBINE_SRC, &[("D", d), ("DT", dt as usize)]), "attnkit combine"),
+            PipeKey::Combine(dt, d) => {
+                wgsl_pipeline(device, specialize(COMBINE_SRC, &[("D", d), ("DT", dt as usize)]), "attnkit combine", lb)
+            }
         };
-        // Buffer bounds checks stay on; the loop bounding that wgpu would otherwise add to every
-        // loop (a second exit on a hidden counter) is left out, so that the driver's compiler can
-        // unroll the constant-trip loops and keep the per-thread arrays they index in registers.
-        let mut checks = ::wgpu::ShaderRuntimeChecks::checked();
-        checks.force_loop_bounding = self.loop_bounding;
-        // SAFETY: `force_loop_bounding = false` requires that no shader can loop forever. Every
-        // loop in shaders/*.wgsl is a counted `for` whose counter only increases, by a positive
-        // step, toward a bound fixed before the loop starts (a constant, or a value read from the
-        // metadata before the loop: a token count, far below i32::MAX since a storage binding
-        // holds at most 4 GiB); none has another back edge.
-        let module = unsafe {
-            device.create_shader_module_trusted(
-                ::wgpu::ShaderModuleDescriptor { label: Some(label), source: ::wgpu::ShaderSource::Wgsl(src.into()) },
-                checks,
-            )
-        };
-        let pipeline = device.create_compute_pipeline(&::wgpu::ComputePipelineDescriptor {
-            label: Some(label),
-            layout: None,
-            module: &module,
-            entry_point: Some("main"),
-            // Every workgroup array is written before it is read (each shader says how), so the
-            // zero fill wgpu would insert at every workgroup's start is wasted work.
-            compilation_options: ::wgpu::PipelineCompilationOptions {
-                zero_initialize_workgroup_memory: false,
-                ..Default::default()
-            },
-            cache: None,
-        });
         self.pipelines.insert(key, pipeline.clone());
         Ok(pipeline)
     }
