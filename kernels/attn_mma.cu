@@ -41,6 +41,23 @@
 #if WG && (NW % 4 != 0 || BM != 16 * NW || DPAD < 64 || (BN != 64 && BN != 128))
 #error "WG tiles: whole warpgroups, 16 rows per warp, DPAD >= 64, BN 64 or 128"
 #endif
+#ifndef BULK
+#define BULK 0
+#endif
+#if BULK && (WG || BULK < 2 || BULK > 4)
+#error "BULK: 2 to 4 stages of bulk copies, mma.sync tiles only"
+#endif
+#if BULK
+// K/V tiles filled by bulk copies (sm_90): one copy per row, so the rows cannot be swizzled;
+// they are padded by 16 bytes instead, which keeps ldmatrix free of bank conflicts (8 rows of a
+// matrix start 4 banks apart).
+#define KSTAGES BULK
+#define RSB (DPAD * 2 + 16)
+#define KV_ADDR(base, row, c) ((base) + (u32)(row) * RSB + (u32)(c) * 16u)
+#else
+#define KSTAGES 2
+#define KV_ADDR(base, row, c) tile_addr(base, row, c)
+#endif
 
 #if ATTN_DTYPE == 1
 #define MMA_AB "f16.f16"
@@ -89,6 +106,31 @@ __device__ __forceinline__ void mma16816(float* c, const u32* a, u32 b0, u32 b1)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+#if BULK
+__device__ __forceinline__ void mbar_init(u32 bar, u32 count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+// One arrival that also expects `bytes` more bytes of bulk copies in this phase.
+__device__ __forceinline__ void mbar_expect_tx(u32 bar, u32 bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(u32 bar, u32 parity) {
+    u32 done = 0;
+    while (!done)
+        asm volatile(
+            "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+            : "=r"(done)
+            : "r"(bar), "r"(parity)
+            : "memory");
+}
+// `bytes` (a multiple of 16) from global memory into this CTA's shared memory, counted on `bar`.
+__device__ __forceinline__ void bulk_copy(u32 dst, const void* src, u32 bytes, u32 bar) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+                 "l"(src), "r"(bytes), "r"(bar)
+                 : "memory");
+}
+#endif
+
 // 2^x on the special-function unit (inputs are <= 0 or -inf; flushing denormal results is fine).
 __device__ __forceinline__ float ex2(float x) {
     float y;
@@ -106,9 +148,15 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams
 #else
     const u32 sQ = smem_u32(smem_raw);
 #endif
-    const u32 sK = sQ + BM * DPAD * 2;
-    const u32 sV = sK + 2 * BN * DPAD * 2;
+#if BULK
+    const u32 stage_bytes = BN * RSB;
+    __shared__ __align__(8) unsigned long long s_bar[KSTAGES];
+    const u32 bar0 = smem_u32(&s_bar[0]);
+#else
     const u32 stage_bytes = BN * DPAD * 2;
+#endif
+    const u32 sK = sQ + BM * DPAD * 2;
+    const u32 sV = sK + KSTAGES * stage_bytes;
 
     const int kvh = blockIdx.y, b = blockIdx.z;
     // blockIdx.x = row block * num_splits + split. Longest (causal) row blocks first: they
@@ -137,6 +185,19 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams
         cp_async16(TADDR(sQ, BM, row, c), src, ok);
     }
 
+#if BULK
+    // The bulk copies write d columns of the rows that exist: the padding columns and the rows
+    // past the keys must hold zeros (0 * NaN of uninitialised memory would leak into P V), and
+    // they keep them, or finite values of earlier tiles, from here on.
+    for (u32 i = tid; i < 2u * KSTAGES * stage_bytes / 16u; i += NT)
+        asm volatile("st.shared.v4.u32 [%0], {%1, %1, %1, %1};\n" ::"r"(sK + i * 16u), "r"(0u) : "memory");
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+    if (tid == 0) {
+#pragma unroll
+        for (int i = 0; i < KSTAGES; ++i) mbar_init(bar0 + 8 * i, 1);
+        asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+    }
+#endif
     if (tid == 0) {
         s_lo = ATTN_INT_MAX;
         s_hi = 0;
@@ -190,6 +251,25 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams
         }
     }
     if (nb0 < nb1) {
+#if BULK
+        // One bulk copy per K row and per V row that exists (d * 2 bytes each), all counted on
+        // the stage's barrier; one thread arms it with the tile's byte count first.
+        auto load_kv = [&](int nb, int st) {
+            const int n0 = nb * BN;
+            const u32 dk = sK + st * stage_bytes, dv = sV + st * stage_bytes, bar = bar0 + 8 * st;
+            const int nrows = min(BN, s.k_len - n0);
+            if (tid == 0) mbar_expect_tx(bar, (u32)(nrows * d * 4));
+            if (NW == 1)
+                __syncwarp();
+            else
+                __syncthreads();
+            for (int row = tid; row < nrows; row += NT) {
+                const i64 off = kv_row(p, b, s, n0 + row) * p.kv_stride + (i64)kvh * d;
+                bulk_copy(KV_ADDR(dk, row, 0), kg + off, (u32)(d * 2), bar);
+                bulk_copy(KV_ADDR(dv, row, 0), vg + off, (u32)(d * 2), bar);
+            }
+        };
+#else
         // Each thread copies fixed 16-byte columns of the K and V rows it owns, so the per-tile
         // work is one row index and one (dense) multiply; paged rows look up their block.
 #if (NT % NCH) == 0
@@ -287,6 +367,21 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams
             }
         };
 #endif
+#endif  // BULK
+#if BULK
+        // KSTAGES - 1 tiles ahead; the stage a tile goes into was last read before the closing
+        // barrier of the previous iteration.
+        cp_async_commit();
+#pragma unroll
+        for (int i = 0; i < KSTAGES - 1; ++i)
+            if (nb0 + i < nb1) load_kv(nb0 + i, i);
+        cp_async_wait<0>();
+        __syncthreads();
+        for (int nb = nb0; nb < nb1; ++nb) {
+            const int it = nb - nb0, st = it % KSTAGES;
+            if (nb + KSTAGES - 1 < nb1) load_kv(nb + KSTAGES - 1, (it + KSTAGES - 1) % KSTAGES);
+            mbar_wait(bar0 + 8 * st, (u32)(it / KSTAGES) & 1u);
+#else
         load_kv(nb0, 0);
         cp_async_commit();
         for (int nb = nb0; nb < nb1; ++nb) {
@@ -304,6 +399,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams
             asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
             __syncthreads();
+#endif
             const u32 kbase = sK + st * stage_bytes, vbase = sV + st * stage_bytes;
 
             float S[MT][NTN][4];
@@ -338,7 +434,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams
 #pragma unroll
                 for (int np = 0; np < BN / 16; ++np) {
                     u32 b0, b1, b2, b3;
-                    ldsm_x4(tile_addr(kbase, np * 16 + (lane & 7) + ((lane >> 4) << 3), ks * 2 + ((lane >> 3) & 1)), b0, b1, b2,
+                    ldsm_x4(KV_ADDR(kbase, np * 16 + (lane & 7) + ((lane >> 4) << 3), ks * 2 + ((lane >> 3) & 1)), b0, b1, b2,
                             b3);
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
@@ -458,7 +554,7 @@ extern "C" __global__ void __launch_bounds__(NT, MINB) attn_mma(const AttnParams
 #pragma unroll
                 for (int dp = 0; dp < DPAD / 16; ++dp) {
                     u32 b0, b1, b2, b3;
-                    ldsm_x4_t(tile_addr(vbase, kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 2 + (lane >> 4)), b0, b1,
+                    ldsm_x4_t(KV_ADDR(vbase, kk * 16 + (lane & 7) + (((lane >> 3) & 1) << 3), dp * 2 + (lane >> 4)), b0, b1,
                               b2, b3);
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {

@@ -6,7 +6,7 @@
 mod common;
 
 use attnkit::cuda::CudaBackend;
-use attnkit::{DType, LayoutKind, Params};
+use attnkit::{AttentionBackend, DType, LayoutKind, Params};
 use common::*;
 
 /// The backend, or `None` when `ATTNKIT_SKIP` names cuda and there is no device.
@@ -97,4 +97,39 @@ fn split_and_unsplit_agree() {
         check_close("lse split 5 vs 1", &five.lse.unwrap(), &one.lse.unwrap(), 1e-4, 1e-5)
             .unwrap_or_else(|e| panic!("{e}\n{case:?}"));
     }
+}
+
+#[test]
+fn gqa_decode_plan_uses_bulk_copies_on_hopper() {
+    // The bulk-copy tile is the Hopper default for GQA decode: the split-KV tests above run it
+    // only if the planner picks it, so check that it does (and that other GPUs never get it).
+    let Some(be) = be() else { return };
+    let case = Case {
+        layout: LayoutKind::Paged,
+        dtype: DType::BF16,
+        lens: vec![(1, 600); 2],
+        hkv: 2,
+        group: 4,
+        d: 128,
+        params: Params::default(),
+        alibi: false,
+        block_size: 16,
+        lse: false,
+        seed: 7,
+    };
+    let built = case.build();
+    let (q, k, v) = (be.upload(&built.q).unwrap(), be.upload(&built.k).unwrap(), be.upload(&built.v).unwrap());
+    let call = built.call(&case, &q, &k, &v);
+    let plan = be.plan(&attnkit::validate(&call, be.device(), "cuda", None, None).unwrap());
+    let bulk = match plan {
+        attnkit::cuda::Plan::Mma { t, .. } => t.bulk,
+        other => panic!("GQA decode should run on the tensor cores, planned {other:?}"),
+    };
+    let off = std::env::var("ATTNKIT_CUDA_GQA_BULK").is_ok_and(|v| v == "off");
+    if be.arch() == "sm_90" && !off {
+        assert!(bulk >= 2, "sm_90 GQA decode should use bulk copies, planned {plan:?}");
+    } else {
+        assert_eq!(bulk, 0, "{}: {plan:?}", be.arch());
+    }
+    eprintln!("{}: GQA decode tile {plan:?}", be.arch());
 }

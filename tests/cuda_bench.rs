@@ -210,6 +210,27 @@ fn bench_standard_shapes() {
         std::env::remove_var("ATTNKIT_CUDA_GQA_TILE");
         std::env::remove_var("ATTNKIT_CUDA_SPLIT_TARGET");
     }
+    // ATTNKIT_BENCH_GQA_BULK="off:32;2:32;3:16" times GQA decode with each bulk-copy setting
+    // (ATTNKIT_CUDA_GQA_BULK: stages, or off) and key count per tile (ATTNKIT_CUDA_GQA_BN), at the
+    // split targets of ATTNKIT_BENCH_SPLITS.
+    if let Ok(list) = std::env::var("ATTNKIT_BENCH_GQA_BULK") {
+        let splits = std::env::var("ATTNKIT_BENCH_SPLITS").unwrap_or_else(|_| "8".into());
+        for item in list.split(';').filter(|t| !t.is_empty()) {
+            let (bulk, bn) = item.split_once(':').unwrap_or((item, "32"));
+            for mult in splits.split(',') {
+                std::env::set_var("ATTNKIT_CUDA_GQA_BULK", bulk);
+                std::env::set_var("ATTNKIT_CUDA_GQA_BN", bn);
+                std::env::set_var("ATTNKIT_CUDA_SPLIT_TARGET", mult);
+                println!("GQA bulk {bulk}, {bn} keys a tile, split target {mult} x SMs");
+                decode(&be, 64, 32, 8, 4096);
+                decode(&be, 16, 32, 8, 4096);
+                decode(&be, 1, 32, 8, 65536);
+            }
+        }
+        for k in ["ATTNKIT_CUDA_GQA_BULK", "ATTNKIT_CUDA_GQA_BN", "ATTNKIT_CUDA_SPLIT_TARGET"] {
+            std::env::remove_var(k);
+        }
+    }
     if sweep {
         // BM,BN,NW,MINB,WG: rows per CTA, keys per tile, warps, CTAs per SM the registers must
         // fit, and 1 for Hopper's warpgroup MMAs (0: mma.sync). ATTNKIT_BENCH_TILES=0 leaves

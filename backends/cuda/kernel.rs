@@ -62,10 +62,11 @@ pub struct Variant {
 }
 
 impl Variant {
-    /// Whether this variant can be built for `arch` (`sm_80`): the Hopper variants (`WG=1`)
-    /// only for sm_90.
+    /// Whether this variant can be built for `arch` (`sm_80`): the Hopper variants (`WG=1`,
+    /// or bulk copies, `BULK` above 0) only for sm_90.
     pub fn runs_on(&self, arch: &str) -> bool {
-        !self.defines.contains(&("WG", 1)) || arch == "sm_90"
+        let hopper_only = self.defines.iter().any(|&(k, v)| (k == "WG" && v == 1) || (k == "BULK" && v > 0));
+        !hopper_only || arch == "sm_90"
     }
     /// A stable name for caches and reports: `attn_mma[ATTN_DTYPE=2,DPAD=128,...]`.
     pub fn key(&self) -> String {
@@ -102,13 +103,21 @@ pub struct MmaTraits {
     /// Hopper warpgroup MMAs (`wgmma`, sm_90a) instead of `mma.sync`: whole warpgroups of 64
     /// rows (`bm == 16 * nw`, `nw` a multiple of 4), `dpad >= 64`, `bn` 64 or 128.
     pub wg: bool,
+    /// K/V tiles filled by bulk copies (`cp.async.bulk`, sm_90; one copy per row, rows padded by
+    /// 16 bytes) in this many stages (2 to 4), or 0 for 16-byte `cp.async` copies into two
+    /// swizzled stages. `mma.sync` tiles only.
+    pub bulk: usize,
 }
 
 impl MmaTraits {
     /// Dynamic shared memory: Q tile plus two stages of K and V (and 1 KiB to align the tiles
-    /// of the Hopper variant to the 1024-byte swizzle atoms).
+    /// of the Hopper variant to the 1024-byte swizzle atoms), or `bulk` stages of padded rows.
     pub fn smem_bytes(&self) -> usize {
-        (self.bm + 4 * self.bn) * self.dpad * 2 + if self.wg { 1024 } else { 0 }
+        let q = self.bm * self.dpad * 2;
+        if self.bulk > 0 {
+            return q + self.bulk * 2 * self.bn * (self.dpad * 2 + 16);
+        }
+        q + 4 * self.bn * self.dpad * 2 + if self.wg { 1024 } else { 0 }
     }
     /// Whether these traits describe a valid Hopper (`wg`) tile.
     pub fn wg_ok(&self) -> bool {
@@ -125,6 +134,7 @@ impl MmaTraits {
             && bn.is_multiple_of(16)
             && (1..=4).contains(&self.minb)
             && (!self.wg || self.wg_ok())
+            && (self.bulk == 0 || ((2..=4).contains(&self.bulk) && !self.wg))
     }
 }
 
@@ -140,7 +150,7 @@ fn tile_from_env(var: &str, short: bool, dpad: usize, post: bool, hopper: bool) 
         [bm, bn, nw, minb, wg] => (bm, bn, nw, minb, wg),
         _ => return None,
     };
-    let t = MmaTraits { dpad, bm, bn, nw, minb, post, wg: wg == 1 && hopper };
+    let t = MmaTraits { dpad, bm, bn, nw, minb, post, wg: wg == 1 && hopper, bulk: 0 };
     t.valid().then_some(t)
 }
 
@@ -174,20 +184,20 @@ pub fn mma_traits(d: usize, post: bool, hopper: bool) -> MmaTraits {
         // registers), and d 192 / 256 need one SM's shared memory per CTA anyway. The softcap /
         // ALiBi variant would spill 96 bytes under the cap: it keeps one CTA per SM (not timed).
         let minb = if dpad == 128 && !post { 2 } else { 1 };
-        return MmaTraits { dpad, bm: 128, bn: 64, nw: 8, minb, post, wg: true };
+        return MmaTraits { dpad, bm: 128, bn: 64, nw: 8, minb, post, wg: true, bulk: 0 };
     }
     let (bm, bn, nw, minb) = match dpad {
         32 | 64 | 128 => (128, 64, 4, 1),
         _ => (128, 64, 8, 1),
     };
-    MmaTraits { dpad, bm, bn, nw, minb, post, wg: false }
+    MmaTraits { dpad, bm, bn, nw, minb, post, wg: false, bulk: 0 }
 }
 
 /// A kernel variant as a `Copy` value (see [`Plan::kernel_key`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct KernelKey {
     family: Family,
-    vals: [i64; 8],
+    vals: [i64; 9],
 }
 
 /// Which kernel runs a call, and how.
@@ -242,6 +252,7 @@ impl Plan {
                     ("MINB", t.minb as i64),
                     ("POST", t.post as i64),
                     ("WG", t.wg as i64),
+                    ("BULK", t.bulk as i64),
                 ],
             },
         }
@@ -251,11 +262,21 @@ impl Plan {
     pub fn kernel_key(&self, dtype: DType) -> KernelKey {
         let dt = dtype_code(dtype);
         let (family, vals) = match *self {
-            Plan::Simt { dmax } => (Family::Simt, [dt, dmax as i64, 0, 0, 0, 0, 0, 0]),
-            Plan::Decode { lpk, rmax, .. } => (Family::Decode, [dt, lpk as i64, rmax as i64, 0, 0, 0, 0, 0]),
+            Plan::Simt { dmax } => (Family::Simt, [dt, dmax as i64, 0, 0, 0, 0, 0, 0, 0]),
+            Plan::Decode { lpk, rmax, .. } => (Family::Decode, [dt, lpk as i64, rmax as i64, 0, 0, 0, 0, 0, 0]),
             Plan::Mma { t, .. } => (
                 Family::Mma,
-                [dt, t.dpad as i64, t.bm as i64, t.bn as i64, t.nw as i64, t.minb as i64, t.post as i64, t.wg as i64],
+                [
+                    dt,
+                    t.dpad as i64,
+                    t.bm as i64,
+                    t.bn as i64,
+                    t.nw as i64,
+                    t.minb as i64,
+                    t.post as i64,
+                    t.wg as i64,
+                    t.bulk as i64,
+                ],
             ),
         };
         KernelKey { family, vals }
@@ -292,8 +313,19 @@ pub fn gqa_decode_traits(d: usize, post: bool, hopper: bool) -> MmaTraits {
         return t;
     }
     let bn = std::env::var("ATTNKIT_CUDA_GQA_BN").ok().and_then(|s| s.parse().ok()).filter(|b| b % 16 == 0 && *b > 0);
-    MmaTraits { dpad, bm: 16, bn: bn.unwrap_or(32), nw: 1, minb: 1, post, wg: false }
+    // On Hopper the K/V rows arrive by bulk copies (`ATTNKIT_CUDA_GQA_BULK=off` keeps the
+    // 16-byte copies, `=3` or `=4` sets the stages).
+    let bulk = match std::env::var("ATTNKIT_CUDA_GQA_BULK").ok().as_deref() {
+        _ if !hopper => 0,
+        Some("off") => 0,
+        Some(n) => n.parse().ok().filter(|n| (2..=4).contains(n)).unwrap_or(GQA_BULK_STAGES),
+        None => GQA_BULK_STAGES,
+    };
+    MmaTraits { dpad, bm: 16, bn: bn.unwrap_or(32), nw: 1, minb: 1, post, wg: false, bulk }
 }
+
+/// Stages of the GQA decode tile's bulk copies on Hopper.
+const GQA_BULK_STAGES: usize = 2;
 
 /// Query heads per kv head from which decode runs on the tensor cores (`gqa_decode_traits`)
 /// rather than the CUDA-core decode kernel, for f16 and bf16.
@@ -382,6 +414,7 @@ pub fn all_variants() -> Vec<Variant> {
                         v.push(Plan::Mma { t: mma_traits(dpad, post, true), splits: 1 }.variant(dt));
                     }
                     v.push(Plan::Mma { t: gqa_decode_traits(dpad, post, false), splits: 1 }.variant(dt));
+                    v.push(Plan::Mma { t: gqa_decode_traits(dpad, post, true), splits: 1 }.variant(dt));
                 }
             }
         }

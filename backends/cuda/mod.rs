@@ -358,8 +358,8 @@ impl CudaBackend {
             Family::Mma => {
                 let g = |k: &str| v.defines.iter().find(|d| d.0 == k).map(|d| d.1 as usize).unwrap_or(0);
                 let wg = g("WG") == 1;
-                MmaTraits { dpad: g("DPAD"), bm: g("BM"), bn: g("BN"), nw: g("NW"), minb: 1, post: false, wg }
-                    .smem_bytes()
+                let (dpad, bm, bn, nw, bulk) = (g("DPAD"), g("BM"), g("BN"), g("NW"), g("BULK"));
+                MmaTraits { dpad, bm, bn, nw, minb: 1, post: false, wg, bulk }.smem_bytes()
             }
             Family::Decode => 0,
         };
