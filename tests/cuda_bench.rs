@@ -212,7 +212,7 @@ fn bench_standard_shapes() {
     }
     // ATTNKIT_BENCH_GQA_BULK="off:32;2:32;3:16" times GQA decode with each bulk-copy setting
     // (ATTNKIT_CUDA_GQA_BULK: stages, or off) and key count per tile (ATTNKIT_CUDA_GQA_BN), at the
-    // split targets of ATTNKIT_BENCH_SPLITS.
+    // split targets of ATTNKIT_BENCH_SPLITS (CTAs per SM, or "wave").
     if let Ok(list) = std::env::var("ATTNKIT_BENCH_GQA_BULK") {
         let splits = std::env::var("ATTNKIT_BENCH_SPLITS").unwrap_or_else(|_| "8".into());
         for item in list.split(';').filter(|t| !t.is_empty()) {
@@ -220,8 +220,13 @@ fn bench_standard_shapes() {
             for mult in splits.split(',') {
                 std::env::set_var("ATTNKIT_CUDA_GQA_BULK", bulk);
                 std::env::set_var("ATTNKIT_CUDA_GQA_BN", bn);
-                std::env::set_var("ATTNKIT_CUDA_SPLIT_TARGET", mult);
-                println!("GQA bulk {bulk}, {bn} keys a tile, split target {mult} x SMs");
+                // "wave": the planner's own split count (whole waves of resident CTAs).
+                if mult == "wave" {
+                    std::env::remove_var("ATTNKIT_CUDA_SPLIT_TARGET");
+                } else {
+                    std::env::set_var("ATTNKIT_CUDA_SPLIT_TARGET", mult);
+                }
+                println!("GQA bulk {bulk}, {bn} keys a tile, split target {mult}");
                 decode(&be, 64, 32, 8, 4096);
                 decode(&be, 16, 32, 8, 4096);
                 decode(&be, 1, 32, 8, 65536);
@@ -261,8 +266,8 @@ fn bench_standard_shapes() {
     }
     for k in be.loaded_kernels() {
         log(format!(
-            "{{\"kind\":\"kernel\",\"key\":\"{}\",\"regs\":{},\"local_bytes\":{},\"static_smem\":{},\"cached\":{},\"load_ms\":{:.1}}}",
-            k.key, k.regs, k.local_bytes, k.static_smem, k.cached, k.load_ms
+            "{{\"kind\":\"kernel\",\"key\":\"{}\",\"regs\":{},\"local_bytes\":{},\"static_smem\":{},\"ctas_per_sm\":{},\"cached\":{},\"load_ms\":{:.1}}}",
+            k.key, k.regs, k.local_bytes, k.static_smem, k.ctas_per_sm, k.cached, k.load_ms
         ));
     }
     // A second backend in this process loads every kernel from the disk cache: the warm start.

@@ -303,8 +303,9 @@ fn simt_dmax(d: usize) -> usize {
 
 /// Tile of the tensor-core kernel for decode with GQA: one warp, 16 rows (the queries times
 /// the heads of a group), K/V streamed through shared memory and read once for the group.
-/// 32 keys per tile (37 KiB of shared memory at d 128, so six CTAs per SM): on an H200 it read
-/// 3.36 TB/s where 64 keys read 1.77 and 128 keys 0.52 (docs/PERF_NOTES.md, cuda v2).
+/// Elsewhere than Hopper: 32 keys per tile through 16-byte async copies (37 KiB of shared
+/// memory at d 128, so six CTAs per SM; on an H200 3.36 TB/s where 64 keys read 1.77 and 128
+/// keys 0.52, docs/PERF_NOTES.md, cuda v2). On Hopper: 16 keys per tile through bulk copies.
 /// ATTNKIT_CUDA_GQA_BN overrides the key count, and on Hopper (`hopper`)
 /// `ATTNKIT_CUDA_GQA_TILE=BM,BN,NW,MINB,WG` the whole tile (for tuning).
 pub fn gqa_decode_traits(d: usize, post: bool, hopper: bool) -> MmaTraits {
@@ -321,7 +322,10 @@ pub fn gqa_decode_traits(d: usize, post: bool, hopper: bool) -> MmaTraits {
         Some(n) => n.parse().ok().filter(|n| (2..=4).contains(n)).unwrap_or(GQA_BULK_STAGES),
         None => GQA_BULK_STAGES,
     };
-    MmaTraits { dpad, bm: 16, bn: bn.unwrap_or(32), nw: 1, minb: 1, post, wg: false, bulk }
+    // 16 keys a tile with bulk copies: 10 CTAs per SM at d 128 (32 keys: 5), 3.70 against
+    // 2.60 TB/s at batch 64 on an H200 (docs/PERF_NOTES.md, cuda v6).
+    let bn = bn.unwrap_or(if bulk > 0 { 16 } else { 32 });
+    MmaTraits { dpad, bm: 16, bn, nw: 1, minb: 1, post, wg: false, bulk }
 }
 
 /// Stages of the GQA decode tile's bulk copies on Hopper.
@@ -344,12 +348,47 @@ fn split_count(ctas: usize, max_k: usize, sms: usize, mult: usize) -> usize {
     }
 }
 
+/// Split count for `ctas` CTAs (before splitting) of a memory-bound kernel of which the device
+/// holds `slots` at once, each split keeping at least 256 of `max_k` keys, at most 128 splits.
+///
+/// The model: CTAs run in waves of `slots`; a wave of n CTAs streams at the full rate once n is
+/// at least 3/4 of `slots` (on an H200 the GQA decode tile read as fast from 78% of its slots in
+/// one wave as from two full waves), else at n / (3/4 slots) of it, being latency-bound. Each
+/// CTA reads 1 / (ctas * s) of the bytes. The smallest split count within 2% of the best
+/// predicted time wins (fewer partials to merge). Two unsplit waves or more are not split.
+pub fn wave_splits(ctas: usize, slots: usize, max_k: usize) -> usize {
+    let (ctas, slots) = (ctas.max(1), slots.max(1));
+    // Two waves or more unsplit: CTAs finish at staggered times, so the last wave is no real
+    // tail (the model below, in lock-step waves, would split anyway).
+    if ctas >= 2 * slots {
+        return 1;
+    }
+    let sat = (3 * slots).div_ceil(4);
+    let max = (max_k / 256).clamp(1, 128);
+    // Predicted time in units of (all bytes / full rate).
+    let cost = |s: usize| {
+        let total = ctas * s;
+        let (full, last) = (total / slots, total % slots);
+        let t = full * slots.max(sat) + if last > 0 { last.max(sat) } else { 0 };
+        t as f64 / total as f64
+    };
+    let best = (1..=max).map(cost).fold(f64::INFINITY, f64::min);
+    (1..=max).find(|&s| cost(s) <= best * 1.02).unwrap_or(1)
+}
+
 /// Choose the kernel: decode when every kv head has at most [`DECODE_MAX_ROWS`] query rows
 /// (on the tensor cores for f16/bf16 with a GQA group of at least [`GQA_MMA_MIN_GROUP`]), else
 /// the tensor cores for f16/bf16, else CUDA cores. `force` picks `simt`, `mma` or `decode` where
 /// that kernel can run the call; `splits` forces the split count of the split-KV kernels;
 /// `hopper` (an sm_90 device) lets prefill use the warpgroup-MMA variant.
-pub fn plan(c: &Checked<'_>, sms: usize, hopper: bool, force: Option<&str>, splits: Option<usize>) -> Plan {
+pub fn plan(
+    c: &Checked<'_>,
+    sms: usize,
+    hopper: bool,
+    force: Option<&str>,
+    splits: Option<usize>,
+    occupancy: &dyn Fn(&MmaTraits) -> Option<usize>,
+) -> Plan {
     let rows = c.max_q * c.group();
     let decode_ok = rows <= DECODE_MAX_ROWS;
     let mma_ok = matches!(c.dtype, DType::F16 | DType::BF16);
@@ -364,11 +403,15 @@ pub fn plan(c: &Checked<'_>, sms: usize, hopper: bool, force: Option<&str>, spli
     };
     let mma = || {
         if decode_ok {
-            // One-warp CTAs, three per SM by shared memory: aim at about eight per SM so that
-            // the last wave is short.
+            // One-warp CTAs: split the keys so the CTAs fill whole waves of what the device
+            // holds at once (ATTNKIT_CUDA_SPLIT_TARGET: about that many CTAs per SM instead).
             let t = gqa_decode_traits(c.d, post, hopper);
             let ctas = c.batch * c.hkv * rows.div_ceil(t.bm);
-            let splits = splits.unwrap_or_else(|| split_count(ctas, c.max_k, sms, 8));
+            let by_target = std::env::var("ATTNKIT_CUDA_SPLIT_TARGET").is_ok();
+            let splits = splits.unwrap_or_else(|| match occupancy(&t) {
+                Some(per_sm) if !by_target => wave_splits(ctas, per_sm * sms, c.max_k),
+                _ => split_count(ctas, c.max_k, sms, 8),
+            });
             Plan::Mma { t, splits }
         } else {
             Plan::Mma { t: mma_traits(c.d, post, hopper), splits: splits.unwrap_or(1) }
@@ -420,4 +463,24 @@ pub fn all_variants() -> Vec<Variant> {
         }
     }
     v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::wave_splits;
+
+    #[test]
+    fn wave_splits_fill_whole_waves() {
+        // 512 CTAs on 1320 slots (the bulk tile on an H200, batch 64): two splits fill 78%.
+        assert_eq!(wave_splits(512, 1320, 4096), 2);
+        // 792 slots (six CTAs per SM): two splits would leave a thin second wave; three fill two.
+        assert_eq!(wave_splits(512, 792, 4096), 3);
+        // Batch 1: as many splits as fill one wave, within the 128 cap.
+        let s = wave_splits(8, 1320, 65536);
+        assert!((121..=128).contains(&s) && 8 * s >= 970, "{s}");
+        // Short keys cap the splits (256 keys each at least); more CTAs than slots split less.
+        assert_eq!(wave_splits(8, 1320, 300), 1);
+        assert_eq!(wave_splits(4000, 1320, 4096), 1);
+        assert_eq!(wave_splits(0, 0, 0), 1);
+    }
 }

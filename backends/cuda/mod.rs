@@ -119,6 +119,9 @@ pub struct KernelInfo {
     pub cached: bool,
     /// Milliseconds spent compiling or reading and loading it.
     pub load_ms: f64,
+    /// CTAs of the main function one multiprocessor holds at once (the driver's occupancy
+    /// calculator, with the launch's block size and dynamic shared memory), 0 if unknown.
+    pub ctas_per_sm: usize,
 }
 
 struct Loaded {
@@ -274,7 +277,13 @@ impl CudaBackend {
 
     /// The kernel plan of a validated call.
     pub fn plan(&self, c: &Checked<'_>) -> Plan {
-        kernel::plan(c, self.sms, self.arch == "sm_90", self.force.as_deref(), self.splits)
+        // The split count of the one-warp GQA decode tile follows from how many of its CTAs the
+        // device holds at once: ask the loaded kernel (compiled here on first use).
+        let occupancy = |t: &MmaTraits| {
+            let l = self.kernel(&Plan::Mma { t: *t, splits: 1 }, c.dtype).ok()?;
+            (l.info.ctas_per_sm > 0).then_some(l.info.ctas_per_sm)
+        };
+        kernel::plan(c, self.sms, self.arch == "sm_90", self.force.as_deref(), self.splits, &occupancy)
     }
 
     /// Bytes of split-KV workspace a call needs (0 for most prefill calls). The backend keeps
@@ -377,7 +386,14 @@ impl CudaBackend {
             main.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dyn_smem as i32)
                 .map_err(be_err)?;
         }
+        let threads = match v.family {
+            Family::Mma => 32 * v.defines.iter().find(|d| d.0 == "NW").map_or(1, |d| d.1 as usize),
+            _ => 128,
+        };
+        let ctas_per_sm =
+            main.occupancy_max_active_blocks_per_multiprocessor(threads as u32, dyn_smem, None).unwrap_or(0);
         let info = KernelInfo {
+            ctas_per_sm: ctas_per_sm as usize,
             key: v.key(),
             regs: main.num_regs().unwrap_or(-1),
             local_bytes: main.local_size_bytes().unwrap_or(-1),
