@@ -305,14 +305,20 @@ fn summary(isa: &str) {
         rayon::current_num_threads()
     );
     println!(
-        "| case (B x H x S x D / dtype / mask) | attnkit ms | GFLOP/s | FMA peak GFLOP/s | of FMA peak | candle matmul ms | speedup | candle cpu_flash ms | speedup | causal / full time |"
+        "| case (B x H x S x D / dtype / mask) | attnkit ms | GFLOP/s | FMA peak GFLOP/s | of FMA peak | candle matmul ms | speedup | candle cpu_flash ms | speedup | vs candle f16 matmul | causal / full time |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for c in cases() {
         let id = c.id();
         let a = median(&format!("il/{id}/attnkit"));
         let m = median(&format!("il/{id}/candle_matmul"));
         let f = median(&format!("il/{id}/candle_flash"));
+        // The target for f16 and bf16 inputs: against candle's f16 matmul-softmax at the
+        // same shape and mask (for bf16 rows this is not candle's bf16 path of the column before).
+        let m16 = match c.dtype {
+            DType::F32 => None,
+            _ => median(&format!("il/{}/candle_matmul", Case { dtype: DType::F16, ..c }.id())),
+        };
         let peak = median(&format!("il/{id}/peak"));
         if a.is_none() {
             continue;
@@ -323,7 +329,7 @@ fn summary(isa: &str) {
             _ => String::new(),
         };
         println!(
-            "| {id} | {} | {} | {} | {} | {} | {} | {} | {} | {cr} |",
+            "| {id} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {cr} |",
             ms(a),
             gf.map_or("-".into(), |g| format!("{g:.1}")),
             peak.map_or("-".into(), |p| format!("{p:.0}")),
@@ -334,7 +340,8 @@ fn summary(isa: &str) {
             ms(m),
             ratio(a, m),
             ms(f),
-            ratio(a, f)
+            ratio(a, f),
+            if m16.is_some() { ratio(a, m16) } else { String::new() }
         );
     }
     if let (Some(a), Some(m)) = (median("il/decode/attnkit"), median("il/decode/memcpy")) {

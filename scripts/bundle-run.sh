@@ -49,11 +49,13 @@ case "$cmd" in
     # CUDA call ("terminated before first instrumented API call"). Extra args filter the tests.
     rc=0
     for tool in memcheck racecheck; do
-      for name in conformance cuda_graph; do
+      for name in conformance cuda_graph cuda_backend; do
         t="$here/bin/$name"
         [[ -x $t ]] || continue
         args=("$@")
         [[ $name == conformance && $# -eq 0 ]] && args=("cuda::")
+        # The split-KV tests force the tensor-core decode tile (bulk copies on Hopper).
+        [[ $name == cuda_backend && $# -eq 0 ]] && args=("split_kv_tensor_core")
         echo "=== compute-sanitizer --tool $tool $name ${args[*]}"
         ATTNKIT_CASES=${ATTNKIT_CASES:-8} compute-sanitizer --tool "$tool" --error-exitcode 99 "$t" "${args[@]}" || rc=1
       done

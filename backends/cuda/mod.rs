@@ -791,9 +791,12 @@ impl CudaBackend {
         unsafe { self.launch_params(func, cfg, &kp) }.map_err(|e| be_err(format!("launching {func_name}: {e}")))?;
         if splits > 1 {
             let comb = &loaded.funcs["attn_combine"];
-            let rows = c.total_q * c.hq;
-            let cfg =
-                LaunchConfig { grid_dim: (rows.div_ceil(4) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            // One CTA per (token, head).
+            let rows = u32::try_from(c.total_q * c.hq)
+                .ok()
+                .filter(|&r| r <= i32::MAX as u32)
+                .ok_or_else(|| be_err(format!("{} query rows to merge, above the grid limit", c.total_q * c.hq)))?;
+            let cfg = LaunchConfig { grid_dim: (rows, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
             // SAFETY: as above; the combine kernel reads the partials the split kernel wrote
             // earlier on the same stream.
             unsafe { self.launch_params(comb, cfg, &kp) }
