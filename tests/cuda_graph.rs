@@ -6,6 +6,10 @@ use attnkit::cuda::CudaBackend;
 use attnkit::{AttentionBackend, AttnCall, DType, Error, Tensor};
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 
+/// Both tests capture in the global mode, where any other thread's stream-unsafe call (a free,
+/// say) invalidates the capture: they must not overlap, whatever the harness's thread count.
+static CAPTURE: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn backend() -> Option<CudaBackend> {
     match CudaBackend::new() {
         Ok(b) => Some(b),
@@ -86,6 +90,7 @@ fn cases() -> Vec<Case> {
 
 #[test]
 fn graph_replay_equals_eager() {
+    let _serial = CAPTURE.lock().unwrap_or_else(|e| e.into_inner());
     let Some(be) = backend() else { return };
     for c in cases() {
         let nq: usize = c.q_shape.iter().product();
@@ -150,6 +155,7 @@ fn graph_replay_equals_eager() {
 
 #[test]
 fn metadata_change_during_capture_is_an_error() {
+    let _serial = CAPTURE.lock().unwrap_or_else(|e| e.into_inner());
     let Some(be) = backend() else { return };
     let (bs, d) = (16, 64);
     let kc = be.upload(&Tensor::from_f32(&[8, bs, 1, d], DType::F16, &data(8 * bs * d, 5)).unwrap()).unwrap();
