@@ -120,25 +120,14 @@ fn coop_plan(d: usize, limit: u32) -> Option<Plan> {
     let ok = |&(nw, bk): &(usize, usize)| {
         (1..=8).contains(&nw) && bk.is_multiple_of(16) && bk >= 8 * nw && d.is_multiple_of(bk)
     };
-    coop_tile_override()
+    super::coop_settings()
+        .tile
         .filter(ok)
         .into_iter()
         .chain([(4, 32), (2, 32)])
         .filter(ok)
         .map(|(nw, bk)| Plan { kernel: Kernel::Coop, bq: 16 * nw, bk, nks: nw })
         .find(|p| wg_bytes(p, d, 1) <= limit as usize)
-}
-
-/// `ATTNKIT_WGPU_COOP_TILE=NW,BK` (subgroups, key tile), read once: a tuning knob for the
-/// cooperative-matrix kernel. A tile the kernel cannot take (BK a multiple of 16, at least 8 NW,
-/// dividing the head dim) or that does not fit the workgroup memory is passed over.
-fn coop_tile_override() -> Option<(usize, usize)> {
-    static TILE: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
-    *TILE.get_or_init(|| {
-        let v = std::env::var("ATTNKIT_WGPU_COOP_TILE").ok()?;
-        let (a, b) = v.split_once(',')?;
-        Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
-    })
 }
 
 /// Head dims the coop kernel takes: multiples of 32 (its key tile divides them), at most 128 (its
@@ -161,7 +150,7 @@ fn plan(d: usize, dt: DType, queries: usize, g: usize, limit: u32, coop: bool, f
         Some(Kernel::Rows) => rows_plan(d, wpc, 16, limit),
         Some(Kernel::MicroTile) => mt_plan(d, limit).or_else(|| rows_plan(d, wpc, 16, limit)),
         Some(Kernel::Coop) => coop_plan(d, limit),
-        None if queries >= 32 && coop_fits(coop, dt, d) && super::coop_auto() => {
+        None if queries >= 32 && coop_fits(coop, dt, d) && super::coop_settings().auto => {
             coop_plan(d, limit).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, rows, limit))
         }
         None if rows >= 32 => mt_plan(d, limit).or_else(|| rows_plan(d, wpc, rows, limit)),
@@ -209,14 +198,7 @@ pub(crate) fn specialize(src: &str, values: &[(&str, usize)]) -> String {
 
 /// The cooperative-matrix kernel's WGSL for head dim `d`, `nw` subgroups and `bk` keys a tile.
 pub(crate) fn coop_source(d: usize, nw: usize, bk: usize) -> String {
-    specialize(FLASH_COOP_SRC, &[("D", d), ("NW", nw), ("BK", bk), ("DEBUG", coop_debug_stage())])
-}
-
-/// `ATTNKIT_WGPU_COOP_DEBUG=stage` (read once; diagnosis only, see flash_attn_coop.wgsl): the
-/// cooperative-matrix kernel stops after a stage of its first tile and writes that stage out.
-fn coop_debug_stage() -> usize {
-    static STAGE: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-    *STAGE.get_or_init(|| std::env::var("ATTNKIT_WGPU_COOP_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0))
+    specialize(FLASH_COOP_SRC, &[("D", d), ("NW", nw), ("BK", bk), ("DEBUG", super::coop_settings().debug)])
 }
 
 /// A pipeline of a portable kernel, from its specialised WGSL through wgpu (layout reflected).

@@ -142,7 +142,7 @@ fn open_default() -> Result<Ctx> {
     let adapter = pollster::block_on(instance.request_adapter(&opts))
         .map_err(|e| no_device(format!("no adapter: {e} (is a Vulkan/Metal/DX12 driver installed?)")))?;
     let info = adapter.get_info();
-    let coop = coop_allowed()
+    let coop = coop_settings().allowed
         && coop_usable(adapter.features(), &info)
         && adapter.cooperative_matrix_properties().iter().any(|p| {
             use ::wgpu::CooperativeScalarType as T;
@@ -187,18 +187,37 @@ const COOP_FEATURES: ::wgpu::Features = ::wgpu::Features::EXPERIMENTAL_COOPERATI
     .union(::wgpu::Features::SUBGROUP)
     .union(::wgpu::Features::PASSTHROUGH_SHADERS);
 
-/// `ATTNKIT_WGPU_COOP=off` keeps the cooperative-matrix kernel out entirely (the device is opened
-/// without the features).
-fn coop_allowed() -> bool {
-    std::env::var("ATTNKIT_WGPU_COOP").map_or(true, |v| v != "off")
+/// The cooperative-matrix kernel's settings from the environment, read once per process.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct CoopSettings {
+    /// `ATTNKIT_WGPU_COOP=off` keeps the kernel out entirely (the device is opened without the
+    /// features).
+    pub allowed: bool,
+    /// Whether the planner chooses the kernel by itself where it fits (the default);
+    /// `ATTNKIT_WGPU_COOP=manual` opens the device with the features but runs the kernel only
+    /// where asked for ([`WgpuBackend::set_kernel`] with [`Kernel::Coop`]), for comparisons.
+    pub auto: bool,
+    /// `ATTNKIT_WGPU_COOP_TILE=NW,BK` (subgroups, key tile): a tuning knob. A tile the kernel
+    /// cannot take (BK a multiple of 16, at least 8 NW, dividing the head dim) or that does not
+    /// fit the workgroup memory is passed over.
+    pub tile: Option<(usize, usize)>,
+    /// `ATTNKIT_WGPU_COOP_DEBUG=n` (diagnosis only, see flash_attn_coop.wgsl): the kernel stops
+    /// after stage n of its first tile and writes that stage out; 0, the default, runs it whole.
+    pub debug: usize,
 }
 
-/// Whether the planner chooses the cooperative-matrix kernel by itself where it fits (the
-/// default); `ATTNKIT_WGPU_COOP=manual` opens the device with the features but runs the kernel
-/// only where asked for ([`WgpuBackend::set_kernel`] with [`Kernel::Coop`]), for comparisons.
-pub(crate) fn coop_auto() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("ATTNKIT_WGPU_COOP").map_or(true, |v| v != "manual"))
+/// [`CoopSettings`] of this process.
+pub(crate) fn coop_settings() -> CoopSettings {
+    static S: std::sync::OnceLock<CoopSettings> = std::sync::OnceLock::new();
+    *S.get_or_init(|| {
+        let mode = std::env::var("ATTNKIT_WGPU_COOP").unwrap_or_default();
+        let tile = std::env::var("ATTNKIT_WGPU_COOP_TILE").ok().and_then(|v| {
+            let (a, b) = v.split_once(',')?;
+            Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
+        });
+        let debug = std::env::var("ATTNKIT_WGPU_COOP_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
+        CoopSettings { allowed: mode != "off", auto: mode != "manual", tile, debug }
+    })
 }
 
 /// The features are there, and subgroups are exactly 32 wide (the kernel's strips assume it), on
@@ -236,7 +255,7 @@ impl WgpuBackend {
     /// adapter offers 16x16x16 f16 matrices, which [`::wgpu::Adapter::cooperative_matrix_properties`]
     /// tells.
     pub fn from_device(device: ::wgpu::Device, queue: ::wgpu::Queue) -> Self {
-        let coop = coop_allowed() && coop_usable(device.features(), &device.adapter_info());
+        let coop = coop_settings().allowed && coop_usable(device.features(), &device.adapter_info());
         Self::with_ctx(Arc::new(Ctx::new(device, queue, "caller device".into(), coop)))
     }
 
