@@ -133,3 +133,54 @@ fn gqa_decode_plan_uses_bulk_copies_on_hopper() {
     }
     eprintln!("{}: GQA decode tile {plan:?}", be.arch());
 }
+
+#[test]
+fn caller_owned_workspace_gives_the_backends_result() {
+    // Split-KV partials in the caller's workspace (poisoned with NaN first) give bit for bit what
+    // the backend's own workspace gives, for the tensor-core and the CUDA-core decode kernels; a
+    // workspace too small or of another dtype is a typed error that leaves `out` alone.
+    let Some(mut be) = be() else { return };
+    let case = Case {
+        layout: LayoutKind::Paged,
+        dtype: DType::BF16,
+        lens: vec![(1, 3000), (1, 1700)],
+        hkv: 2,
+        group: 4,
+        d: 128,
+        params: Params::default(),
+        alibi: false,
+        block_size: 16,
+        lse: true,
+        seed: 11,
+    };
+    let built = case.build();
+    let (q, k, v) = (be.upload(&built.q).unwrap(), be.upload(&built.k).unwrap(), be.upload(&built.v).unwrap());
+    let n_out: usize = built.q.shape().iter().product();
+    let sentinel = attnkit::Tensor::from_f32(built.q.shape(), DType::BF16, &vec![-7.0; n_out]).unwrap();
+    for kernel in ["mma", "decode"] {
+        be.set_kernel(Some(kernel));
+        be.set_kv_splits(Some(7));
+        let call = built.call(&case, &q, &k, &v);
+        let need = be.workspace_bytes(&attnkit::validate(&call, be.device(), "cuda", None, None).unwrap());
+        assert!(need > 0, "{kernel}: a split call needs a workspace");
+        let mut own = be.alloc(built.q.shape(), DType::BF16).unwrap();
+        be.forward(&call, Some(&mut own), None).unwrap();
+        let own = be.download(&own).unwrap().to_f64_vec().unwrap();
+
+        let mut ws =
+            be.upload(&attnkit::Tensor::from_f32(&[need / 4], DType::F32, &vec![f32::NAN; need / 4]).unwrap()).unwrap();
+        let mut out = be.upload(&sentinel).unwrap();
+        be.forward_with_workspace(&call, &mut out, None, &mut ws).unwrap();
+        let got = be.download(&out).unwrap().to_f64_vec().unwrap();
+        assert!(got == own, "{kernel}: the caller's workspace gave another result");
+
+        for (shape, dtype, what) in [(need / 4 - 1, DType::F32, "workspace"), (need / 2, DType::F16, "dtype")] {
+            let mut small = be.alloc(&[shape], dtype).unwrap();
+            let mut out = be.upload(&sentinel).unwrap();
+            let e = be.forward_with_workspace(&call, &mut out, None, &mut small).expect_err("a bad workspace");
+            assert!(e.to_string().contains("workspace") && e.to_string().contains(what), "{kernel}: {e}");
+            let left = be.download(&out).unwrap().to_f64_vec().unwrap();
+            assert!(left.iter().all(|&x| x == -7.0), "{kernel}: a refused call wrote into out");
+        }
+    }
+}

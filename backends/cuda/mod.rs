@@ -30,10 +30,10 @@ pub use kernel::{all_variants, mma_traits, KernelKey, MmaTraits, Plan, Variant, 
 pub use nvrtc::{cache_dir, Family};
 
 use crate::backend::AttentionBackend;
-use crate::call::{Capabilities, HeadDims, Layout, LayoutKind};
+use crate::call::{AttnCall, Capabilities, HeadDims, Layout, LayoutKind};
 use crate::error::{Error, Result};
 use crate::types::{DType, Device, HostData, Storage, Tensor};
-use crate::validate::Checked;
+use crate::validate::{validate, Checked};
 use kernel::KernelParams;
 
 const NAME: &str = "cuda";
@@ -637,6 +637,59 @@ impl CudaBackend {
     /// `c` returns none); `out` and `lse` must be writable and overlap no input and each other;
     /// everything must stay allocated until the work queued on [`CudaBackend::stream`] is done.
     pub unsafe fn launch(&self, c: &Checked<'_>, ptrs: DevicePtrs) -> Result<()> {
+        // SAFETY: the caller's contract, and no caller workspace.
+        unsafe { self.launch_with(c, ptrs, None) }
+    }
+
+    /// [`AttentionBackend::forward`] into the caller's `out` (and `lse`), with the split-KV
+    /// partials in the caller's `workspace` instead of the backend's own buffer (which is then
+    /// neither used nor grown): an f32 tensor on this device of at least
+    /// [`CudaBackend::workspace_bytes`] / 4 elements (any shape; a call that needs none ignores
+    /// it). Nothing is allocated, and nothing waits for the device. The workspace's contents need
+    /// no initialising and are scratch after the call; it must not be used by another call on
+    /// another stream at the same time. A workspace of the wrong dtype, device or size is a
+    /// typed error, before any work.
+    pub fn forward_with_workspace(
+        &self,
+        call: &AttnCall<'_>,
+        out: &mut Tensor,
+        lse: Option<&mut Tensor>,
+        workspace: &mut Tensor,
+    ) -> Result<()> {
+        let c = validate(call, self.device(), NAME, Some(out), lse.as_deref())?;
+        self.supports(&c.problem(lse.is_some()))?;
+        if workspace.dtype() != DType::F32 {
+            return Err(Error::DType { arg: "workspace", got: workspace.dtype(), expected: "f32".into() });
+        }
+        let ws = self.storage("workspace", workspace)?;
+        let (need, have) = (self.workspace_bytes(&c), (workspace.elem_count() * 4).min(ws.len_bytes()));
+        if have < need {
+            return Err(Error::value("workspace", format!("{have} bytes"), format!("this call needs {need} bytes")));
+        }
+        let (q, k, v) = (self.storage("q", call.q)?, self.storage("k", call.k)?, self.storage("v", call.v)?);
+        let ptrs = DevicePtrs {
+            q: q.ptr(&self.stream),
+            k: k.ptr(&self.stream),
+            v: v.ptr(&self.stream),
+            out: self.storage("out", out)?.ptr(&self.stream),
+            lse: match &lse {
+                Some(l) => self.storage("lse", l)?.ptr(&self.stream),
+                None => 0,
+            },
+        };
+        let ws_ptr = ws.ptr(&self.stream);
+        // SAFETY: as in `forward_into`; the workspace is this backend's allocation of at least
+        // the bytes the plan needs, borrowed mutably, so it aliases no input or output.
+        unsafe { self.launch_with(&c, ptrs, Some(ws_ptr)) }
+    }
+
+    /// [`CudaBackend::launch`], with the split-KV partials at `workspace` (at least the plan's
+    /// bytes) when given, else in the backend's own buffer.
+    ///
+    /// # Safety
+    /// As for [`CudaBackend::launch`]; `workspace` must address that many writable bytes that
+    /// nothing else uses until the work is done.
+    unsafe fn launch_with(&self, c: &Checked<'_>, ptrs: DevicePtrs, workspace: Option<u64>) -> Result<()> {
         let call = c.call;
         let (o_ptr, lse_ptr) = (ptrs.out, ptrs.lse);
         if c.total_q == 0 || c.batch == 0 {
@@ -688,14 +741,18 @@ impl CudaBackend {
         st.meta = meta;
         uploaded?;
         let ws_elems = plan.workspace_elems(c);
-        if ws_elems > 0 {
+        if ws_elems > 0 && workspace.is_none() {
             self.ensure_workspace(&mut st, ws_elems)?;
         }
         let meta_base = st.meta_dev.as_ref().map(|m| m.device_ptr(&self.stream).0).unwrap_or(0);
         let mptr = |slot: usize| if off[slot] == usize::MAX { 0 } else { meta_base + 4 * off[slot] as u64 };
-        let (ws_o, ws_l) = match (&st.workspace, ws_elems > 0) {
-            (Some(w), true) => {
-                let base = w.device_ptr(&self.stream).0;
+        let base = match (workspace, &st.workspace) {
+            (Some(p), _) => Some(p),
+            (None, Some(w)) => Some(w.device_ptr(&self.stream).0),
+            (None, None) => None,
+        };
+        let (ws_o, ws_l) = match base {
+            Some(base) if ws_elems > 0 => {
                 let o_elems = ws_elems / (c.d + 1) * c.d;
                 (base, base + 4 * o_elems as u64)
             }
