@@ -99,24 +99,29 @@ fn split_and_unsplit_agree() {
     }
 }
 
-#[test]
-fn gqa_decode_plan_uses_bulk_copies_on_hopper() {
-    // The bulk-copy tile is the Hopper default for GQA decode: the split-KV tests above run it
-    // only if the planner picks it, so check that it does (and that other GPUs never get it).
-    let Some(be) = be() else { return };
-    let case = Case {
+/// Paged bf16 decode with GQA 8/2 (a group of 4), d 128, blocks of 16: the tensor-core decode tile.
+fn gqa_decode_case(lens: Vec<(usize, usize)>, lse: bool, seed: u64) -> Case {
+    Case {
         layout: LayoutKind::Paged,
         dtype: DType::BF16,
-        lens: vec![(1, 600); 2],
+        lens,
         hkv: 2,
         group: 4,
         d: 128,
         params: Params::default(),
         alibi: false,
         block_size: 16,
-        lse: false,
-        seed: 7,
-    };
+        lse,
+        seed,
+    }
+}
+
+#[test]
+fn gqa_decode_plan_uses_bulk_copies_on_hopper() {
+    // The bulk-copy tile is the Hopper default for GQA decode: the split-KV tests above run it
+    // only if the planner picks it, so check that it does (and that other GPUs never get it).
+    let Some(be) = be() else { return };
+    let case = gqa_decode_case(vec![(1, 600); 2], false, 7);
     let built = case.build();
     let (q, k, v) = (be.upload(&built.q).unwrap(), be.upload(&built.k).unwrap(), be.upload(&built.v).unwrap());
     let call = built.call(&case, &q, &k, &v);
@@ -140,19 +145,7 @@ fn caller_owned_workspace_gives_the_backends_result() {
     // the backend's own workspace gives, for the tensor-core and the CUDA-core decode kernels; a
     // workspace too small or of another dtype is a typed error that leaves `out` alone.
     let Some(mut be) = be() else { return };
-    let case = Case {
-        layout: LayoutKind::Paged,
-        dtype: DType::BF16,
-        lens: vec![(1, 3000), (1, 1700)],
-        hkv: 2,
-        group: 4,
-        d: 128,
-        params: Params::default(),
-        alibi: false,
-        block_size: 16,
-        lse: true,
-        seed: 11,
-    };
+    let case = gqa_decode_case(vec![(1, 3000), (1, 1700)], true, 11);
     let built = case.build();
     let (q, k, v) = (be.upload(&built.q).unwrap(), be.upload(&built.k).unwrap(), be.upload(&built.v).unwrap());
     let n_out: usize = built.q.shape().iter().product();

@@ -501,6 +501,21 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// Device addresses of a call's tensors and of `out` (and `lse`), each checked to be this
+    /// backend's memory.
+    fn device_ptrs(&self, call: &AttnCall<'_>, out: &Tensor, lse: Option<&Tensor>) -> Result<DevicePtrs> {
+        let ptr = |arg, t| self.storage(arg, t).map(|s| s.ptr(&self.stream));
+        Ok(DevicePtrs {
+            q: ptr("q", call.q)?,
+            k: ptr("k", call.k)?,
+            v: ptr("v", call.v)?,
+            out: ptr("out", out)?,
+            lse: match lse {
+                Some(l) => ptr("lse", l)?,
+                None => 0,
+            },
+        })
+    }
     fn storage<'t>(&self, arg: &'static str, t: &'t Tensor) -> Result<&'t CudaStorage> {
         match t.storage() {
             Storage::Cuda(s) => Ok(s),
@@ -593,18 +608,7 @@ impl AttentionBackend for CudaBackend {
     }
 
     fn forward_into(&self, c: &Checked<'_>, out: &mut Tensor, lse: Option<&mut Tensor>) -> Result<()> {
-        let call = c.call;
-        let (q, k, v) = (self.storage("q", call.q)?, self.storage("k", call.k)?, self.storage("v", call.v)?);
-        let ptrs = DevicePtrs {
-            q: q.ptr(&self.stream),
-            k: k.ptr(&self.stream),
-            v: v.ptr(&self.stream),
-            out: self.storage("out", out)?.ptr(&self.stream),
-            lse: match &lse {
-                Some(l) => self.storage("lse", l)?.ptr(&self.stream),
-                None => 0,
-            },
-        };
+        let ptrs = self.device_ptrs(c.call, out, lse.as_deref())?;
         // SAFETY: the pointers are this backend's own allocations holding the validated tensors
         // (`Tensor` checks its storage size against its shape); `out` and `lse` are borrowed
         // mutably, so they alias no input; frees are stream-ordered after the launch.
@@ -666,17 +670,7 @@ impl CudaBackend {
         if have < need {
             return Err(Error::value("workspace", format!("{have} bytes"), format!("this call needs {need} bytes")));
         }
-        let (q, k, v) = (self.storage("q", call.q)?, self.storage("k", call.k)?, self.storage("v", call.v)?);
-        let ptrs = DevicePtrs {
-            q: q.ptr(&self.stream),
-            k: k.ptr(&self.stream),
-            v: v.ptr(&self.stream),
-            out: self.storage("out", out)?.ptr(&self.stream),
-            lse: match &lse {
-                Some(l) => self.storage("lse", l)?.ptr(&self.stream),
-                None => 0,
-            },
-        };
+        let ptrs = self.device_ptrs(call, out, lse.as_deref())?;
         let ws_ptr = ws.ptr(&self.stream);
         // SAFETY: as in `forward_into`; the workspace is this backend's allocation of at least
         // the bytes the plan needs, borrowed mutably, so it aliases no input or output.
