@@ -4,13 +4,15 @@
 // One workgroup owns BQ rows of one kv head and one chunk of its keys. A row is a (query, query
 // head of the group) pair, so GQA/MQA heads that share a kv head share every K/V load. Per tile
 // of BK keys:
-//   1. the K tile is copied, as the raw words it is stored in, into workgroup memory (coalesced),
-//      and each thread issues the loads of the V elements it will need, into registers, so that
-//      both are in flight together;
-//   2. score phase: thread j computes the scores of key j for all BQ rows, from the K row and the
-//      Q tile in workgroup memory, and applies scale, softcap, ALiBi and the masks;
+//   1. the K tile, held in registers as the raw words it is stored in, is written to workgroup
+//      memory; with PF = 1 the loads of the next tile (K words and this thread's V elements) are
+//      then issued into registers, so that they are in flight during this tile's arithmetic
+//      (with PF = 0 they are issued at the top of the tile instead);
+//   2. score phase: TPK threads share key j, each dotting the Q rows (workgroup memory) with a
+//      part of the K row, so that every thread of the workgroup has work when BK < WG;
 //   3. value phase: the threads form NKS key slots of D/4 threads; thread (c, slot) owns vec4
-//      column c of every row's output and keys slot, slot + NKS, ...; each slot keeps its own
+//      column c of every row's output and keys slot, slot + NKS, ...; it sums the parts of each
+//      of its scores, applies scale, softcap, ALiBi and the masks, and keeps its own
 //      online-softmax state (running max, sum, unnormalised output) in registers.
 // Two barriers a tile (the score buffer is double-buffered). At the end the slots are merged in
 // workgroup memory. No workgroup array is read before it is written.
@@ -25,16 +27,22 @@ const DT: u32 = 0u; // @spec storage dtype: 0 f32, 1 f16 (two per u32), 2 bf16 (
 const BQ: u32 = 1u; // @spec rows per workgroup
 const BK: u32 = 64u; // @spec keys per tile, a multiple of NKS
 const NKS: u32 = 4u; // @spec key slots of the value phase
+const PF: u32 = 1u; // @spec 1: the next tile's loads are issued before this tile's arithmetic
+const TPK: u32 = 1u; // @spec threads that share a key's dot product in the score phase
 
 const D4: u32 = D / 4u;
 const WG: u32 = D4 * NKS;
 const KPS: u32 = BK / NKS; // keys per slot per tile
+// The vec4 columns each of the TPK threads of a key dots in the score phase.
+const CPP: u32 = (D4 + TPK - 1u) / TPK;
 // 8-byte words per vec4 column, and per K row.
 const WPC: u32 = select(1u, 2u, DT == 0u);
 const KW: u32 = D4 * WPC;
 // Row stride of the K tile in words, padded by one so that the rows the threads of a warp read
 // at once fall in different banks.
 const KWS: u32 = KW + 1u;
+// K words a thread moves per tile.
+const KLD: u32 = (BK * KW + WG - 1u) / WG;
 // A finite "minus infinity": WGSL implementations may assume finite math, so the running max
 // starts here, fully masked rows are detected by l == 0, and true -inf is only ever stored.
 const NEG: f32 = -3.0e38;
@@ -77,7 +85,7 @@ const M_OFF_ALIBI: u32 = 20u;
 // Q rows (written before the first tile), then the buffer in which the slots are merged.
 var<workgroup> qs: array<vec4<f32>, BQ * D4>;
 var<workgroup> ks: array<vec2<u32>, BK * KWS>;
-var<workgroup> sc: array<f32, 2u * BQ * BK>;
+var<workgroup> sc: array<f32, 2u * TPK * BQ * BK>;
 // Per row: visible [lo, hi), aligned query position, ALiBi slope bits.
 var<workgroup> rinfo: array<vec4<i32>, BQ>;
 // Per (slot, row): running max and sum at the end.
@@ -208,6 +216,37 @@ fn key_range(i: u32, s: Seq) -> vec2<i32> {
     return vec2<i32>(lo, hi);
 }
 
+// Word `x` of the K tile at key j0 (row x / KW, word x % KW); zero past `end` or the tile.
+fn k_word(kvi: Kv, hkv: u32, kh: u32, j0: i32, end: i32, x: u32) -> vec2<u32> {
+    let j = j0 + i32(x / KW);
+    if (x < BK * KW && j < end) {
+        return kb[(k_row(kvi, u32(j)) * hkv + kh) * KW + x % KW];
+    }
+    return vec2<u32>(0u);
+}
+
+// The raw words of vec4 column `c` of key j's V row; zero past `end`.
+fn v_raw(kvi: Kv, hkv: u32, kh: u32, j: i32, end: i32, c: u32) -> vec4<u32> {
+    if (j < end) {
+        return raw_v((k_row(kvi, u32(j)) * hkv + kh) * D + c * 4u);
+    }
+    return vec4<u32>(0u);
+}
+
+// A raw score made final: scale, softcap, ALiBi, and the row's visible range (`ri`).
+fn finish(raw: f32, j: i32, ri: vec4<i32>, scale: f32, cap: f32) -> f32 {
+    var x = scale * raw;
+    if (cap > 0.0) {
+        // tanh through exp(-2|x|): finite for every input.
+        let y = x / cap;
+        let z = exp(-2.0 * abs(y));
+        x = cap * sign(y) * (1.0 - z) / (1.0 + z);
+    }
+    x -= bitcast<f32>(ri.w) * f32(abs(ri.z - j));
+    // A select, not arithmetic: a NaN score of a masked key is dropped here.
+    return select(MASKED, x, j >= ri.x && j < ri.y);
+}
+
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
     let splits = md[M_SPLITS];
@@ -292,90 +331,103 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         o[r] = vec4<f32>(0.0);
     }
 
+    // This thread's loads of the tile at key j0 (zeros past `end`, no load issued there).
+    var kq: array<vec2<u32>, KLD>;
+    var vq: array<vec4<u32>, KPS>;
+    if (PF == 1u) {
+        for (var it = 0u; it < KLD; it++) {
+            kq[it] = k_word(kvi, hkv, kh, start, end, tid + it * WG);
+        }
+        for (var n = 0u; n < KPS; n++) {
+            vq[n] = v_raw(kvi, hkv, kh, start + i32(slot + n * NKS), end, c);
+        }
+    }
+
     var buf = 0u;
     for (var j0 = start; j0 < end; j0 += i32(BK)) {
-        // 1. K tile (raw words) into workgroup memory; V elements of this thread into registers.
-        for (var it = 0u; it < (BK * KW + WG - 1u) / WG; it++) {
+        if (PF == 0u) {
+            for (var it = 0u; it < KLD; it++) {
+                kq[it] = k_word(kvi, hkv, kh, j0, end, tid + it * WG);
+            }
+            for (var n = 0u; n < KPS; n++) {
+                vq[n] = v_raw(kvi, hkv, kh, j0 + i32(slot + n * NKS), end, c);
+            }
+        }
+        // 1. The K tile into workgroup memory (the previous tile's scores were read before the
+        //    last barrier); this tile's V elements out of the prefetch registers.
+        for (var it = 0u; it < KLD; it++) {
             let x = tid + it * WG;
             if (x < BK * KW) {
-                let jj = x / KW;
-                let w = x % KW;
-                let j = j0 + i32(jj);
-                var word = vec2<u32>(0u);
-                if (j < end) {
-                    word = kb[(k_row(kvi, u32(j)) * hkv + kh) * KW + w];
-                }
-                ks[jj * KWS + w] = word;
+                ks[(x / KW) * KWS + x % KW] = kq[it];
             }
         }
-        var vr: array<vec4<u32>, KPS>;
-        for (var n = 0u; n < KPS; n++) {
-            let j = j0 + i32(slot + n * NKS);
-            var raw = vec4<u32>(0u);
-            if (j < end) {
-                raw = raw_v((k_row(kvi, u32(j)) * hkv + kh) * D + c * 4u);
-            }
-            vr[n] = raw;
-        }
+        var vr = vq;
         workgroupBarrier(); // the K tile (and, the first time, the Q tile and rinfo) is written
+        if (PF == 1u) {
+            let jn = j0 + i32(BK);
+            for (var it = 0u; it < KLD; it++) {
+                kq[it] = k_word(kvi, hkv, kh, jn, end, tid + it * WG);
+            }
+            for (var n = 0u; n < KPS; n++) {
+                vq[n] = v_raw(kvi, hkv, kh, jn + i32(slot + n * NKS), end, c);
+            }
+        }
 
-        // 2. Scores of key jj for every row.
-        let sb = buf * BQ * BK;
-        for (var it = 0u; it < (BK + WG - 1u) / WG; it++) {
-            let jj = tid + it * WG;
-            if (jj < BK) {
+        // 2. Partial scores: part `pt` of key jj, for every row.
+        let sb = buf * TPK * BQ * BK;
+        for (var it = 0u; it < (BK * TPK + WG - 1u) / WG; it++) {
+            let u = tid + it * WG;
+            if (u < BK * TPK) {
+                let jj = u % BK;
+                let pt = u / BK;
                 var acc: array<f32, BQ>;
                 for (var r = 0u; r < BQ; r++) {
                     acc[r] = 0.0;
                 }
-                for (var cc = 0u; cc < D4; cc++) {
-                    var kw = vec4<u32>(ks[jj * KWS + cc * WPC], 0u, 0u);
-                    if (WPC == 2u) {
-                        kw = vec4<u32>(kw.xy, ks[jj * KWS + cc * WPC + 1u]);
-                    }
-                    let kv = widen(kw);
-                    for (var r = 0u; r < BQ; r++) {
-                        acc[r] += dot(qs[r * D4 + cc], kv);
+                for (var ci = 0u; ci < CPP; ci++) {
+                    let cc = pt * CPP + ci;
+                    if (cc < D4) {
+                        var kw = vec4<u32>(ks[jj * KWS + cc * WPC], 0u, 0u);
+                        if (WPC == 2u) {
+                            kw = vec4<u32>(kw.xy, ks[jj * KWS + cc * WPC + 1u]);
+                        }
+                        let kv = widen(kw);
+                        for (var r = 0u; r < BQ; r++) {
+                            acc[r] += dot(qs[r * D4 + cc], kv);
+                        }
                     }
                 }
-                let j = j0 + i32(jj);
                 for (var r = 0u; r < BQ; r++) {
-                    let ri = rinfo[r];
-                    var x = scale * acc[r];
-                    if (cap > 0.0) {
-                        // tanh through exp(-2|x|): finite for every input.
-                        let y = x / cap;
-                        let z = exp(-2.0 * abs(y));
-                        x = cap * sign(y) * (1.0 - z) / (1.0 + z);
-                    }
-                    x -= bitcast<f32>(ri.w) * f32(abs(ri.z - j));
-                    // A select, not arithmetic: a NaN score of a masked key is dropped here.
-                    x = select(MASKED, x, j >= ri.x && j < ri.y);
-                    sc[sb + r * BK + jj] = x;
+                    sc[sb + (pt * BQ + r) * BK + jj] = acc[r];
                 }
             }
         }
         workgroupBarrier(); // the scores are written; the K tile is consumed
 
         // 3. Online softmax and O += P V for this thread's slot and column.
-        var vv: array<vec4<f32>, KPS>;
-        for (var n = 0u; n < KPS; n++) {
-            vv[n] = finite4(widen(vr[n]));
-        }
         for (var r = 0u; r < BQ; r++) {
+            let ri = rinfo[r];
+            var xs: array<f32, KPS>;
             var mt = NEG;
             for (var n = 0u; n < KPS; n++) {
-                mt = max(mt, sc[sb + r * BK + slot + n * NKS]);
+                let jj = slot + n * NKS;
+                var raw = 0.0;
+                for (var pt = 0u; pt < TPK; pt++) {
+                    raw += sc[sb + (pt * BQ + r) * BK + jj];
+                }
+                let x = finish(raw, j0 + i32(jj), ri, scale, cap);
+                xs[n] = x;
+                mt = max(mt, x);
             }
             let m_new = max(m[r], mt);
             let alpha = exp(m[r] - m_new);
             var acc = o[r] * alpha;
             var sum = l[r] * alpha;
             for (var n = 0u; n < KPS; n++) {
-                let x = sc[sb + r * BK + slot + n * NKS];
+                let x = xs[n];
                 let pj = select(0.0, exp(x - m_new), x > MASKED);
                 sum += pj;
-                acc += pj * vv[n];
+                acc += pj * finite4(widen(vr[n]));
             }
             o[r] = acc;
             l[r] = sum;

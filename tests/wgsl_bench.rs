@@ -62,6 +62,13 @@ fn random(shape: &[usize], dtype: DType, rng: &mut Rng) -> Tensor {
 
 /// Median seconds per call.
 fn time(be: &dyn AttentionBackend, s: &Shape, rng: &mut Rng) -> attnkit::Result<f64> {
+    Ok(time_each(&[be], s, rng)?[0])
+}
+
+/// Median seconds per call of each backend, on the same inputs (uploaded once through the
+/// first: the backends must share its device).
+fn time_each(bes: &[&dyn AttentionBackend], s: &Shape, rng: &mut Rng) -> attnkit::Result<Vec<f64>> {
+    let be = bes[0];
     let (b, hq, hkv, sq, sk, d) = (s.b, s.hq, s.hkv, s.sq, s.sk, s.d);
     let q = be.upload(&random(&[b, sq, hq, d], s.dtype, rng))?;
     let (k, v, cu_q, bt, sl, max_blocks);
@@ -99,24 +106,28 @@ fn time(be: &dyn AttentionBackend, s: &Shape, rng: &mut Rng) -> attnkit::Result<
         AttnCall::paged(q, &k, &v, &cu_q, &bt, max_blocks, &sl).causal(s.causal)
     };
     let mut out = be.alloc(q.shape(), s.dtype)?;
-    be.forward(&call, Some(&mut out), None)?; // warm-up: compile, allocate scratch
-    be.synchronize()?;
-    let t0 = Instant::now();
-    be.forward(&call, Some(&mut out), None)?;
-    be.synchronize()?;
-    let once = t0.elapsed().as_secs_f64();
-    let iters = ((0.3 / once) as usize).clamp(1, 200);
-    let mut reps = Vec::new();
-    for _ in 0..5 {
-        let t0 = Instant::now();
-        for _ in 0..iters {
-            be.forward(&call, Some(&mut out), None)?;
-        }
+    let mut medians = Vec::new();
+    for be in bes {
+        be.forward(&call, Some(&mut out), None)?; // warm-up: compile, allocate scratch
         be.synchronize()?;
-        reps.push(t0.elapsed().as_secs_f64() / iters as f64);
+        let t0 = Instant::now();
+        be.forward(&call, Some(&mut out), None)?;
+        be.synchronize()?;
+        let once = t0.elapsed().as_secs_f64();
+        let iters = ((0.3 / once) as usize).clamp(1, 200);
+        let mut reps = Vec::new();
+        for _ in 0..5 {
+            let t0 = Instant::now();
+            for _ in 0..iters {
+                be.forward(&call, Some(&mut out), None)?;
+            }
+            be.synchronize()?;
+            reps.push(t0.elapsed().as_secs_f64() / iters as f64);
+        }
+        reps.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        medians.push(reps[2]);
     }
-    reps.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    Ok(reps[2])
+    Ok(medians)
 }
 
 #[test]
@@ -185,5 +196,70 @@ fn bench() {
             tc.map(|t| format!("{:.2}", tw / t)).unwrap_or("-".into()),
             to.map(|t| format!("{:.3}", t * 1e3)).unwrap_or("-".into()),
         );
+    }
+}
+
+/// A tuning sweep of the `Rows` kernel on the bench's paged decode shapes: each
+/// [`attnkit::wgpu::RowsTuning`] on the same inputs in one process, the default timed first and
+/// last (the drift of the run). `ATTNKIT_BENCH_ONLY=text` picks shapes as in `bench`.
+#[test]
+#[ignore]
+fn sweep_decode() {
+    use attnkit::wgpu::RowsTuning;
+    let quick = std::env::var("ATTNKIT_BENCH_QUICK").is_ok();
+    let div = if quick { 16 } else { 1 };
+    let only = std::env::var("ATTNKIT_BENCH_ONLY").unwrap_or_default();
+    let base = RowsTuning::default();
+    let mut tunings = vec![base];
+    for prefetch in [true, false] {
+        for k in [4, 8, 16] {
+            for parts_per_key in [1, 2, 4, 8] {
+                tunings.push(RowsTuning { prefetch, keys_per_slot: [k, k, 4], parts_per_key, ..base });
+            }
+        }
+    }
+    for k in [4, 8] {
+        for parts_per_key in [2, 4, 8] {
+            tunings.push(RowsTuning { threads: 256, keys_per_slot: [k, k, 4], parts_per_key, ..base });
+        }
+    }
+    for target_workgroups in [2048, 8192, 16384] {
+        tunings.push(RowsTuning { target_workgroups, ..base });
+    }
+    tunings.push(base);
+    let wgpu = attnkit::wgpu::WgpuBackend::new().expect("wgpu adapter");
+    eprintln!("wgpu adapter: {}", wgpu.adapter_name());
+    let bes: Vec<_> = tunings
+        .iter()
+        .map(|t| {
+            let mut be = wgpu.clone();
+            be.set_rows_tuning(Some(*t));
+            be
+        })
+        .collect();
+    let refs: Vec<&dyn AttentionBackend> = bes.iter().map(|b| b as &dyn AttentionBackend).collect();
+    let mut rng = Rng::new(2);
+    for hkv in [32, 8] {
+        let s = Shape { dtype: DType::F16, b: 16, hq: 32, hkv, sq: 1, sk: 4096 / div, d: 128, causal: true, block: 16 };
+        if !s.name().contains(&only) {
+            continue;
+        }
+        let times = time_each(&refs, &s, &mut rng).expect("timing");
+        eprintln!("{}", s.name());
+        eprintln!("| prefetch | keys/slot | threads | parts/key | target wgs | ms | KV GB/s | default / this |");
+        eprintln!("|---|---|---|---|---|---|---|---|");
+        for (t, &tm) in tunings.iter().zip(&times) {
+            eprintln!(
+                "| {} | {} | {} | {} | {} | {:.3} | {:.0} | {:.2} |",
+                t.prefetch,
+                t.keys_per_slot[if hkv == 32 { 0 } else { 1 }],
+                t.threads,
+                t.parts_per_key,
+                t.target_workgroups,
+                tm * 1e3,
+                s.kv_bytes() / tm / 1e9,
+                times[0] / tm
+            );
+        }
     }
 }

@@ -18,8 +18,6 @@ const COMBINE_SRC: &str = include_str!("../../shaders/combine.wgsl");
 const COMBINE_WG: usize = 64;
 /// Most key/value splits of one call.
 pub(crate) const MAX_SPLITS: usize = 64;
-/// Workgroups the split heuristic aims for (a few per multiprocessor of a large GPU).
-const TARGET_WORKGROUPS: usize = 4096;
 /// Fewest keys a split should own.
 const MIN_KEYS_PER_SPLIT: usize = 256;
 /// Header words of the metadata buffer (see the `M_*` constants of the shaders).
@@ -53,6 +51,46 @@ pub(crate) struct Plan {
     bk: usize,
     /// `Rows`: key slots of the value phase (threads = d / 4 * nks); `Coop`: subgroups.
     nks: usize,
+    /// `Rows`: the next tile's loads are issued before this tile's arithmetic (1) or at its top (0).
+    pf: usize,
+    /// `Rows`: threads that share one key's dot product in the score phase.
+    tpk: usize,
+}
+
+/// Tuning of the `Rows` kernel (decode and short queries) and of the split-KV heuristic, for
+/// benchmarks and tuning sweeps ([`super::WgpuBackend::set_rows_tuning`]); the default is the
+/// measured best on the GPUs timed so far (see `docs/PERF_NOTES.md`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowsTuning {
+    /// Issue the next tile's K and V loads before this tile's arithmetic (else at the tile's top).
+    pub prefetch: bool,
+    /// Keys each key slot takes per tile, for workgroups of 1-2, 4, and 8-16 rows (1 to 32).
+    pub keys_per_slot: [usize; 3],
+    /// About this many threads a workgroup: D/4 a key slot, 1 to 8 slots (32 to 256).
+    pub threads: usize,
+    /// Most threads that share one key's dot product in the score phase (1 to 8).
+    pub parts_per_key: usize,
+    /// Workgroups the split-KV heuristic aims for (at least 1).
+    pub target_workgroups: usize,
+}
+
+impl Default for RowsTuning {
+    fn default() -> Self {
+        RowsTuning { prefetch: true, keys_per_slot: [8, 8, 4], threads: 128, parts_per_key: 4, target_workgroups: 4096 }
+    }
+}
+
+impl RowsTuning {
+    /// The same tuning with every field inside its range.
+    pub(crate) fn clamped(self) -> Self {
+        RowsTuning {
+            prefetch: self.prefetch,
+            keys_per_slot: self.keys_per_slot.map(|k| k.clamp(1, 32)),
+            threads: self.threads.clamp(32, 256),
+            parts_per_key: self.parts_per_key.clamp(1, 8),
+            target_workgroups: self.target_workgroups.max(1),
+        }
+    }
 }
 
 /// 8-byte words per vec4 column of a tensor: two for f32, one for f16/bf16.
@@ -70,7 +108,7 @@ fn wg_bytes(p: &Plan, d: usize, wpc: usize) -> usize {
         // Q rows, the K tile as raw words (rows padded by one word), two score buffers, the row
         // information and the slots' (m, l).
         Kernel::Rows => {
-            p.bq * d * 4 + p.bk * (d / 4 * wpc + 1) * 8 + 2 * p.bq * p.bk * 4 + p.bq * 16 + p.nks * p.bq * 8
+            p.bq * d * 4 + p.bk * (d / 4 * wpc + 1) * 8 + 2 * p.tpk * p.bq * p.bk * 4 + p.bq * 16 + p.nks * p.bq * 8
         }
         // Q^T, K^T-then-V, P^T, and a vec4 per (key group, row group) for the row maxima and sums.
         Kernel::MicroTile => (p.bq * d + p.bk * d + p.bk * p.bq) * 4 + p.bk * p.bq,
@@ -83,23 +121,28 @@ fn wg_bytes(p: &Plan, d: usize, wpc: usize) -> usize {
 }
 
 /// The `Rows` plan for `rows` rows per sequence (at most 16 per workgroup): as few rows per
-/// workgroup as cover them; about 128 threads (d / 4 columns times key slots); keys per slot
-/// and tile fewer as the rows grow (the registers of a thread hold a value per key and an output
-/// vec4 per row); smaller tiles, then fewer rows, where the workgroup memory is short.
-fn rows_plan(d: usize, wpc: usize, rows: usize, limit: u32) -> Option<Plan> {
+/// workgroup as cover them; about `t.threads` threads (d / 4 columns times key slots); keys per
+/// slot and tile fewer as the rows grow (the registers of a thread hold a value per key and an
+/// output vec4 per row); smaller tiles, then fewer rows, where the workgroup memory is short.
+fn rows_plan(d: usize, wpc: usize, rows: usize, limit: u32, t: &RowsTuning) -> Option<Plan> {
     let d4 = d / 4;
-    let nks = (128 / d4).clamp(1, 8);
+    let nks = (t.threads / d4).clamp(1, 8);
     let first = rows.clamp(1, 16).next_power_of_two();
+    let pf = usize::from(t.prefetch);
     [16, 8, 4, 2, 1].into_iter().filter(|&bq| bq <= first).find_map(|bq| {
-        let kps = match bq {
-            1 | 2 => 16,
-            4 => 8,
-            _ => 4,
-        };
+        let kps = t.keys_per_slot[match bq {
+            1 | 2 => 0,
+            4 => 1,
+            _ => 2,
+        }];
         [kps, kps / 2, kps / 4, 1]
             .into_iter()
             .filter(|&k| k >= 1)
-            .map(|k| Plan { kernel: Kernel::Rows, bq, bk: k * nks, nks })
+            .map(|k| {
+                let bk = k * nks;
+                let tpk = (d4 * nks / bk).clamp(1, t.parts_per_key);
+                Plan { kernel: Kernel::Rows, bq, bk, nks, pf, tpk }
+            })
             .find(|p| wg_bytes(p, d, wpc) <= limit as usize)
     })
 }
@@ -107,7 +150,7 @@ fn rows_plan(d: usize, wpc: usize, rows: usize, limit: u32) -> Option<Plan> {
 fn mt_plan(d: usize, limit: u32) -> Option<Plan> {
     MT_TILES
         .into_iter()
-        .map(|(bq, bk)| Plan { kernel: Kernel::MicroTile, bq, bk, nks: 0 })
+        .map(|(bq, bk)| Plan { kernel: Kernel::MicroTile, bq, bk, nks: 0, pf: 0, tpk: 0 })
         .find(|p| wg_bytes(p, d, 1) <= limit as usize)
 }
 
@@ -126,7 +169,7 @@ fn coop_plan(d: usize, limit: u32) -> Option<Plan> {
         .into_iter()
         .chain([(4, 32), (2, 32)])
         .filter(ok)
-        .map(|(nw, bk)| Plan { kernel: Kernel::Coop, bq: 16 * nw, bk, nks: nw })
+        .map(|(nw, bk)| Plan { kernel: Kernel::Coop, bq: 16 * nw, bk, nks: nw, pf: 0, tpk: 0 })
         .find(|p| wg_bytes(p, d, 1) <= limit as usize)
 }
 
@@ -143,25 +186,39 @@ fn coop_fits(coop: bool, dt: DType, d: usize) -> bool {
 
 /// The plan for a call whose sequences have at most `queries` queries, `g` query heads per kv
 /// head (a row of the portable kernels is a (query, head-of-group) pair).
-fn plan(d: usize, dt: DType, queries: usize, g: usize, limit: u32, coop: bool, forced: Option<Kernel>) -> Option<Plan> {
+#[allow(clippy::too_many_arguments)]
+fn plan(
+    d: usize,
+    dt: DType,
+    queries: usize,
+    g: usize,
+    limit: u32,
+    coop: bool,
+    forced: Option<Kernel>,
+    t: &RowsTuning,
+) -> Option<Plan> {
     let wpc = words_per_col(dt);
     let rows = queries * g;
     match forced {
-        Some(Kernel::Rows) => rows_plan(d, wpc, 16, limit),
-        Some(Kernel::MicroTile) => mt_plan(d, limit).or_else(|| rows_plan(d, wpc, 16, limit)),
+        Some(Kernel::Rows) => rows_plan(d, wpc, 16, limit, t),
+        Some(Kernel::MicroTile) => mt_plan(d, limit).or_else(|| rows_plan(d, wpc, 16, limit, t)),
         Some(Kernel::Coop) => coop_plan(d, limit),
         None if queries >= 32 && coop_fits(coop, dt, d) && super::coop_settings().auto => {
-            coop_plan(d, limit).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, rows, limit))
+            coop_plan(d, limit).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, rows, limit, t))
         }
-        None if rows >= 32 => mt_plan(d, limit).or_else(|| rows_plan(d, wpc, rows, limit)),
-        None => rows_plan(d, wpc, rows, limit),
+        None if rows >= 32 => mt_plan(d, limit).or_else(|| rows_plan(d, wpc, rows, limit, t)),
+        None => rows_plan(d, wpc, rows, limit, t),
     }
 }
 
 /// The largest head dim (a multiple of 4, at most [`super::MAX_HEAD_DIM`]) that fits `limit`
 /// for every dtype.
 pub(crate) fn max_head_dim(limit: u32) -> usize {
-    (1..=super::MAX_HEAD_DIM / 4).rev().map(|n| n * 4).find(|&d| rows_plan(d, 2, 1, limit).is_some()).unwrap_or(4)
+    (1..=super::MAX_HEAD_DIM / 4)
+        .rev()
+        .map(|n| n * 4)
+        .find(|&d| rows_plan(d, 2, 1, limit, &RowsTuning::default()).is_some())
+        .unwrap_or(4)
 }
 
 fn dtype_code(d: DType) -> u32 {
@@ -364,7 +421,18 @@ impl State {
         let pipeline = match key {
             PipeKey::Flash(dt, d, p) if p.kernel == Kernel::Rows => wgsl_pipeline(
                 device,
-                specialize(FLASH_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk), ("NKS", p.nks)]),
+                specialize(
+                    FLASH_SRC,
+                    &[
+                        ("D", d),
+                        ("DT", dt as usize),
+                        ("BQ", p.bq),
+                        ("BK", p.bk),
+                        ("NKS", p.nks),
+                        ("PF", p.pf),
+                        ("TPK", p.tpk),
+                    ],
+                ),
                 "attnkit flash_attn",
                 lb,
             ),
@@ -414,7 +482,14 @@ impl State {
 
 /// How many key/value chunks to split a call into; `tiles_q` query tiles of `heads` heads per
 /// sequence.
-fn choose_splits(c: &Checked<'_>, forced: Option<usize>, tiles_q: usize, heads: usize, bk: usize) -> usize {
+fn choose_splits(
+    c: &Checked<'_>,
+    forced: Option<usize>,
+    tiles_q: usize,
+    heads: usize,
+    bk: usize,
+    target: usize,
+) -> usize {
     let max_by_keys = c.max_k.div_ceil(bk).max(1);
     if let Some(n) = forced {
         return n.clamp(1, MAX_SPLITS).min(max_by_keys);
@@ -424,7 +499,7 @@ fn choose_splits(c: &Checked<'_>, forced: Option<usize>, tiles_q: usize, heads: 
         return 1;
     }
     let wgs = c.batch * heads * tiles_q;
-    let want = TARGET_WORKGROUPS.div_ceil(wgs.max(1));
+    let want = target.div_ceil(wgs.max(1));
     want.min(c.max_k / MIN_KEYS_PER_SPLIT).clamp(1, MAX_SPLITS)
 }
 
@@ -511,6 +586,7 @@ pub(crate) fn forward(
     lse: Option<&WgpuStorage>,
     forced_splits: Option<usize>,
     forced_kernel: Option<Kernel>,
+    tuning: &RowsTuning,
 ) -> Result<()> {
     if c.total_q == 0 || c.batch == 0 {
         return Ok(());
@@ -526,7 +602,7 @@ pub(crate) fn forward(
         )));
     }
     let limit = ctx.limits.max_compute_workgroup_storage_size;
-    let plan = plan(d, c.dtype, c.max_q, g, limit, ctx.coop, forced_kernel)
+    let plan = plan(d, c.dtype, c.max_q, g, limit, ctx.coop, forced_kernel, tuning)
         .ok_or_else(|| backend_err(format!("head dim {d} does not fit this device's workgroup memory")))?;
     let dt = dtype_code(c.dtype);
     // The coop kernel's workgroups own queries of one query head; the others' own rows of
@@ -536,7 +612,7 @@ pub(crate) fn forward(
     } else {
         ((c.max_q * g).div_ceil(plan.bq), c.hkv)
     };
-    let mut splits = choose_splits(c, forced_splits, tiles_q, heads, plan.bk);
+    let mut splits = choose_splits(c, forced_splits, tiles_q, heads, plan.bk, tuning.target_workgroups);
     let rows = (c.total_q * c.hq) as u64;
     // The split scratch must fit one binding; fewer splits otherwise.
     while splits > 1 && rows * splits as u64 * d as u64 * 4 > ctx.limits.max_storage_buffer_binding_size {

@@ -20,7 +20,7 @@
 mod kernel;
 mod spirv;
 
-pub use kernel::Kernel;
+pub use kernel::{Kernel, RowsTuning};
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -236,6 +236,7 @@ pub struct WgpuBackend {
     caps: Capabilities,
     kv_splits: Option<usize>,
     kernel: Option<Kernel>,
+    rows: RowsTuning,
 }
 
 impl WgpuBackend {
@@ -267,7 +268,7 @@ impl WgpuBackend {
     fn with_ctx(ctx: Arc<Ctx>) -> Self {
         let max_d = kernel::max_head_dim(ctx.limits.max_compute_workgroup_storage_size);
         let caps = Capabilities::full(HeadDims::MultipleOf { step: 4, max: max_d });
-        WgpuBackend { ctx, caps, kv_splits: None, kernel: None }
+        WgpuBackend { ctx, caps, kv_splits: None, kernel: None, rows: RowsTuning::default() }
     }
 
     /// Force the number of key/value splits (`Some(1)` turns split-KV off, `None` lets the backend
@@ -280,6 +281,13 @@ impl WgpuBackend {
     /// and tuning; a variant that does not fit the device's workgroup memory falls back to `Rows`.
     pub fn set_kernel(&mut self, kernel: Option<Kernel>) {
         self.kernel = kernel;
+    }
+
+    /// Tune the `Rows` kernel and the split-KV heuristic (`None`: the default). For benchmarks
+    /// and tuning sweeps; fields outside their documented ranges are clamped into them. Each
+    /// tuning compiles its own pipelines, once.
+    pub fn set_rows_tuning(&mut self, tuning: Option<RowsTuning>) {
+        self.rows = tuning.map(RowsTuning::clamped).unwrap_or_default();
     }
 
     /// The wgpu device.
@@ -439,7 +447,7 @@ impl AttentionBackend for WgpuBackend {
             Some(t) => Some(self.storage("lse", t)?),
             None => None,
         };
-        kernel::forward(&self.ctx, c, q, k, v, o, l, self.kv_splits, self.kernel)
+        kernel::forward(&self.ctx, c, q, k, v, o, l, self.kv_splits, self.kernel, &self.rows)
     }
 }
 
