@@ -4,7 +4,7 @@
 
 mod common;
 
-use attnkit::wgpu::{Kernel, WgpuBackend};
+use attnkit::wgpu::{Kernel, RowsTuning, WgpuBackend};
 use attnkit::{AttentionBackend, DType, LayoutKind, Params, Tensor};
 use common::*;
 
@@ -84,6 +84,31 @@ fn both_kernels_match_reference() {
         be.set_kernel(Some(kernel));
         be.set_kv_splits(if n % 3 == 0 { Some(3) } else { None });
         check_against_reference(&be, &case).unwrap_or_else(|e| panic!("{kernel:?}: {e}"));
+    }
+}
+
+/// Every `Rows` tuning the decode sweep times computes the contract: prefetch on and off, one to
+/// eight threads a key, 1 to 16 keys a slot, 64 to 256 threads, small and large splits.
+#[test]
+fn rows_tunings_match_reference() {
+    let Some(mut be) = be() else { return };
+    let base = RowsTuning::default();
+    let tunings = [
+        RowsTuning { prefetch: true, ..base },
+        RowsTuning { prefetch: true, keys_per_slot: [16, 8, 2], parts_per_key: 1, ..base },
+        RowsTuning { keys_per_slot: [1, 1, 1], parts_per_key: 8, ..base },
+        RowsTuning { prefetch: true, threads: 256, keys_per_slot: [2, 2, 4], parts_per_key: 2, ..base },
+        RowsTuning { threads: 64, keys_per_slot: [8, 4, 4], parts_per_key: 8, min_keys_per_split: 16, ..base },
+        RowsTuning { target_workgroups: 1, min_keys_per_split: 64, ..base },
+    ];
+    let mut rng = Rng::new(0x7e57);
+    for n in 0..case_count().max(tunings.len()) {
+        let seed = rng.next_u64();
+        let case = random_case(&mut rng, seed);
+        let t = tunings[n % tunings.len()];
+        be.set_rows_tuning(Some(t));
+        be.set_kernel(Some(Kernel::Rows));
+        check_against_reference(&be, &case).unwrap_or_else(|e| panic!("{t:?}: {e}"));
     }
 }
 

@@ -211,20 +211,20 @@ fn sweep_decode() {
     let only = std::env::var("ATTNKIT_BENCH_ONLY").unwrap_or_default();
     let base = RowsTuning::default();
     let mut tunings = vec![base];
-    for prefetch in [true, false] {
-        for k in [4, 8, 16] {
-            for parts_per_key in [1, 2, 4, 8] {
+    for prefetch in [false, true] {
+        for k in [2, 4, 8] {
+            for parts_per_key in [2, 4, 8] {
                 tunings.push(RowsTuning { prefetch, keys_per_slot: [k, k, 4], parts_per_key, ..base });
             }
         }
     }
-    for k in [4, 8] {
-        for parts_per_key in [2, 4, 8] {
-            tunings.push(RowsTuning { threads: 256, keys_per_slot: [k, k, 4], parts_per_key, ..base });
-        }
+    for parts_per_key in [2, 4] {
+        tunings.push(RowsTuning { threads: 256, keys_per_slot: [2, 2, 4], parts_per_key, ..base });
     }
-    for target_workgroups in [2048, 8192, 16384] {
-        tunings.push(RowsTuning { target_workgroups, ..base });
+    for min_keys_per_split in [64, 128, 512] {
+        for target_workgroups in [4096, 8192] {
+            tunings.push(RowsTuning { min_keys_per_split, target_workgroups, ..base });
+        }
     }
     tunings.push(base);
     let wgpu = attnkit::wgpu::WgpuBackend::new().expect("wgpu adapter");
@@ -246,20 +246,25 @@ fn sweep_decode() {
         }
         let times = time_each(&refs, &s, &mut rng).expect("timing");
         eprintln!("{}", s.name());
-        eprintln!("| prefetch | keys/slot | threads | parts/key | target wgs | ms | KV GB/s | default / this |");
-        eprintln!("|---|---|---|---|---|---|---|---|");
+        eprintln!("| prefetch | keys/slot | threads | parts/key | target wgs | min keys/split | ms | KV GB/s | default / this |");
+        eprintln!("|---|---|---|---|---|---|---|---|---|");
         for (t, &tm) in tunings.iter().zip(&times) {
             eprintln!(
-                "| {} | {} | {} | {} | {} | {:.3} | {:.0} | {:.2} |",
+                "| {} | {} | {} | {} | {} | {} | {:.3} | {:.0} | {:.2} |",
                 t.prefetch,
                 t.keys_per_slot[if hkv == 32 { 0 } else { 1 }],
                 t.threads,
                 t.parts_per_key,
                 t.target_workgroups,
+                t.min_keys_per_split,
                 tm * 1e3,
                 s.kv_bytes() / tm / 1e9,
                 times[0] / tm
             );
         }
     }
+    // The per-call floor: a decode call with almost no work (one sequence of 256 keys).
+    let tiny = Shape { dtype: DType::F16, b: 1, hq: 32, hkv: 8, sq: 1, sk: 256, d: 128, causal: true, block: 16 };
+    let t = time_each(&refs[..1], &tiny, &mut rng).expect("timing")[0];
+    eprintln!("per-call floor ({}): {:.3} ms", tiny.name(), t * 1e3);
 }

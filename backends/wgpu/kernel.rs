@@ -18,8 +18,6 @@ const COMBINE_SRC: &str = include_str!("../../shaders/combine.wgsl");
 const COMBINE_WG: usize = 64;
 /// Most key/value splits of one call.
 pub(crate) const MAX_SPLITS: usize = 64;
-/// Fewest keys a split should own.
-const MIN_KEYS_PER_SPLIT: usize = 256;
 /// Header words of the metadata buffer (see the `M_*` constants of the shaders).
 const HEADER: usize = 24;
 /// Micro-tile (rows, keys) tiles tried, largest first; keys >= rows / 1 so that there is a
@@ -72,11 +70,20 @@ pub struct RowsTuning {
     pub parts_per_key: usize,
     /// Workgroups the split-KV heuristic aims for (at least 1).
     pub target_workgroups: usize,
+    /// Fewest keys a split of the split-KV heuristic owns (at least 16).
+    pub min_keys_per_split: usize,
 }
 
 impl Default for RowsTuning {
     fn default() -> Self {
-        RowsTuning { prefetch: true, keys_per_slot: [8, 8, 4], threads: 128, parts_per_key: 4, target_workgroups: 4096 }
+        RowsTuning {
+            prefetch: false,
+            keys_per_slot: [4, 4, 4],
+            threads: 128,
+            parts_per_key: 4,
+            target_workgroups: 4096,
+            min_keys_per_split: 256,
+        }
     }
 }
 
@@ -89,6 +96,7 @@ impl RowsTuning {
             threads: self.threads.clamp(32, 256),
             parts_per_key: self.parts_per_key.clamp(1, 8),
             target_workgroups: self.target_workgroups.max(1),
+            min_keys_per_split: self.min_keys_per_split.max(16),
         }
     }
 }
@@ -488,19 +496,19 @@ fn choose_splits(
     tiles_q: usize,
     heads: usize,
     bk: usize,
-    target: usize,
+    t: &RowsTuning,
 ) -> usize {
     let max_by_keys = c.max_k.div_ceil(bk).max(1);
     if let Some(n) = forced {
         return n.clamp(1, MAX_SPLITS).min(max_by_keys);
     }
     // Only short-query calls (decode, small chunked prefill): longer ones fill the GPU already.
-    if tiles_q > 4 || c.max_k < 2 * MIN_KEYS_PER_SPLIT {
+    if tiles_q > 4 || c.max_k < 2 * t.min_keys_per_split {
         return 1;
     }
     let wgs = c.batch * heads * tiles_q;
-    let want = target.div_ceil(wgs.max(1));
-    want.min(c.max_k / MIN_KEYS_PER_SPLIT).clamp(1, MAX_SPLITS)
+    let want = t.target_workgroups.div_ceil(wgs.max(1));
+    want.min(c.max_k / t.min_keys_per_split).clamp(1, MAX_SPLITS)
 }
 
 fn push_f32(w: &mut Vec<u32>, x: f32) {
@@ -612,7 +620,7 @@ pub(crate) fn forward(
     } else {
         ((c.max_q * g).div_ceil(plan.bq), c.hkv)
     };
-    let mut splits = choose_splits(c, forced_splits, tiles_q, heads, plan.bk, tuning.target_workgroups);
+    let mut splits = choose_splits(c, forced_splits, tiles_q, heads, plan.bk, tuning);
     let rows = (c.total_q * c.hq) as u64;
     // The split scratch must fit one binding; fewer splits otherwise.
     while splits > 1 && rows * splits as u64 * d as u64 * 4 > ctx.limits.max_storage_buffer_binding_size {
