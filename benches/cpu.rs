@@ -197,7 +197,6 @@ fn bench_prefill(c: &mut Criterion, case: &Case) {
             // The full-mask call right after the causal one, and the ratio of the pair: a load
             // that comes and goes between rounds moves both calls of a pair alike.
             let tf = once(|| drop(be.forward(&full, Some(&mut out), None).unwrap()));
-            record_secs(&format!("il/{id}/attnkit_full"), tf);
             record_secs(&format!("il/{id}/causal_ratio"), ta / tf);
         }
         record_secs(

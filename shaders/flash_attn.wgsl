@@ -216,21 +216,34 @@ fn key_range(i: u32, s: Seq) -> vec2<i32> {
     return vec2<i32>(lo, hi);
 }
 
-// Word `x` of the K tile at key j0 (row x / KW, word x % KW); zero past `end` or the tile.
-fn k_word(kvi: Kv, hkv: u32, kh: u32, j0: i32, end: i32, x: u32) -> vec2<u32> {
-    let j = j0 + i32(x / KW);
-    if (x < BK * KW && j < end) {
-        return kb[(k_row(kvi, u32(j)) * hkv + kh) * KW + x % KW];
-    }
-    return vec2<u32>(0u);
+// One thread's loads of the tile at key j0: K words tid, tid + WG, ... of the tile (row x / KW,
+// word x % KW) and the raw words of vec4 column `c` of the V rows of keys slot, slot + NKS, ...;
+// zeros past `end` or the tile, where no load is issued.
+struct Loads {
+    k: array<vec2<u32>, KLD>,
+    v: array<vec4<u32>, KPS>,
 }
 
-// The raw words of vec4 column `c` of key j's V row; zero past `end`.
-fn v_raw(kvi: Kv, hkv: u32, kh: u32, j: i32, end: i32, c: u32) -> vec4<u32> {
-    if (j < end) {
-        return raw_v((k_row(kvi, u32(j)) * hkv + kh) * D + c * 4u);
+fn tile_loads(kvi: Kv, hkv: u32, kh: u32, j0: i32, end: i32, tid: u32, slot: u32, c: u32) -> Loads {
+    var ld: Loads;
+    for (var it = 0u; it < KLD; it++) {
+        let x = tid + it * WG;
+        let j = j0 + i32(x / KW);
+        var w = vec2<u32>(0u);
+        if (x < BK * KW && j < end) {
+            w = kb[(k_row(kvi, u32(j)) * hkv + kh) * KW + x % KW];
+        }
+        ld.k[it] = w;
     }
-    return vec4<u32>(0u);
+    for (var n = 0u; n < KPS; n++) {
+        let j = j0 + i32(slot + n * NKS);
+        var w = vec4<u32>(0u);
+        if (j < end) {
+            w = raw_v((k_row(kvi, u32(j)) * hkv + kh) * D + c * 4u);
+        }
+        ld.v[n] = w;
+    }
+    return ld;
 }
 
 // A raw score made final: scale, softcap, ALiBi, and the row's visible range (`ri`).
@@ -331,46 +344,30 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         o[r] = vec4<f32>(0.0);
     }
 
-    // This thread's loads of the tile at key j0 (zeros past `end`, no load issued there).
-    var kq: array<vec2<u32>, KLD>;
-    var vq: array<vec4<u32>, KPS>;
+    // This thread's loads of the next tile: issued here and after each tile's first barrier
+    // (PF = 1), or at the top of each tile (PF = 0).
+    var ld: Loads;
     if (PF == 1u) {
-        for (var it = 0u; it < KLD; it++) {
-            kq[it] = k_word(kvi, hkv, kh, start, end, tid + it * WG);
-        }
-        for (var n = 0u; n < KPS; n++) {
-            vq[n] = v_raw(kvi, hkv, kh, start + i32(slot + n * NKS), end, c);
-        }
+        ld = tile_loads(kvi, hkv, kh, start, end, tid, slot, c);
     }
 
     var buf = 0u;
     for (var j0 = start; j0 < end; j0 += i32(BK)) {
         if (PF == 0u) {
-            for (var it = 0u; it < KLD; it++) {
-                kq[it] = k_word(kvi, hkv, kh, j0, end, tid + it * WG);
-            }
-            for (var n = 0u; n < KPS; n++) {
-                vq[n] = v_raw(kvi, hkv, kh, j0 + i32(slot + n * NKS), end, c);
-            }
+            ld = tile_loads(kvi, hkv, kh, j0, end, tid, slot, c);
         }
         // 1. The K tile into workgroup memory (the previous tile's scores were read before the
-        //    last barrier); this tile's V elements out of the prefetch registers.
+        //    last barrier); this tile's V elements kept before the next tile's loads replace them.
         for (var it = 0u; it < KLD; it++) {
             let x = tid + it * WG;
             if (x < BK * KW) {
-                ks[(x / KW) * KWS + x % KW] = kq[it];
+                ks[(x / KW) * KWS + x % KW] = ld.k[it];
             }
         }
-        var vr = vq;
+        var vr = ld.v;
         workgroupBarrier(); // the K tile (and, the first time, the Q tile and rinfo) is written
         if (PF == 1u) {
-            let jn = j0 + i32(BK);
-            for (var it = 0u; it < KLD; it++) {
-                kq[it] = k_word(kvi, hkv, kh, jn, end, tid + it * WG);
-            }
-            for (var n = 0u; n < KPS; n++) {
-                vq[n] = v_raw(kvi, hkv, kh, jn + i32(slot + n * NKS), end, c);
-            }
+            ld = tile_loads(kvi, hkv, kh, j0 + i32(BK), end, tid, slot, c);
         }
 
         // 2. Partial scores: part `pt` of key jj, for every row.

@@ -175,17 +175,19 @@ fn bench() {
     // `ATTNKIT_BENCH_ONLY=text`: only the shapes whose name contains it (for tuning sweeps).
     let only = std::env::var("ATTNKIT_BENCH_ONLY").unwrap_or_default();
     for s in shapes.iter().filter(|s| s.name().contains(&only)) {
-        let tw = match time(&wgpu, s, &mut rng) {
-            Ok(t) => t,
+        // Prefill: the portable micro-tile kernel where the default is the cooperative-matrix one;
+        // timed on the same inputs as the default (same device).
+        let other = if s.block != 0 || wgpu.has_cooperative_matrices() { &mt } else { &rows };
+        let with_other = s.dtype == DType::F16 && !s.causal || s.hkv == 32;
+        let bes: &[&dyn AttentionBackend] = if with_other { &[&wgpu, other] } else { &[&wgpu] };
+        let (tw, to) = match time_each(bes, s, &mut rng) {
+            Ok(t) => (t[0], t.get(1).copied()),
             Err(e) => {
                 eprintln!("| {} | error: {e} |", s.name());
                 continue;
             }
         };
         let tc = cuda.as_ref().and_then(|c| time(&**c, s, &mut rng).ok());
-        // Prefill: the portable micro-tile kernel where the default is the cooperative-matrix one.
-        let other = if s.block != 0 || wgpu.has_cooperative_matrices() { &mt } else { &rows };
-        let to = if s.dtype == DType::F16 && !s.causal || s.hkv == 32 { time(other, s, &mut rng).ok() } else { None };
         eprintln!(
             "| {} | {:.3} | {:.2} | {:.0} | {} | {} | {} |",
             s.name(),
@@ -246,13 +248,13 @@ fn sweep_decode() {
         }
         let times = time_each(&refs, &s, &mut rng).expect("timing");
         eprintln!("{}", s.name());
-        eprintln!("| prefetch | keys/slot | threads | parts/key | target wgs | min keys/split | ms | KV GB/s | default / this |");
+        eprintln!("| prefetch | keys/slot (1-2, 4, 8-16 rows) | threads | parts/key | target wgs | min keys/split | ms | KV GB/s | default / this |");
         eprintln!("|---|---|---|---|---|---|---|---|---|");
         for (t, &tm) in tunings.iter().zip(&times) {
             eprintln!(
-                "| {} | {} | {} | {} | {} | {} | {:.3} | {:.0} | {:.2} |",
+                "| {} | {:?} | {} | {} | {} | {} | {:.3} | {:.0} | {:.2} |",
                 t.prefetch,
-                t.keys_per_slot[if hkv == 32 { 0 } else { 1 }],
+                t.keys_per_slot,
                 t.threads,
                 t.parts_per_key,
                 t.target_workgroups,
