@@ -94,10 +94,12 @@ var<workgroup> ss: array<f32, NW * 16u * SS + BQ + 4u>;
 // Per subgroup 16 rows: P.
 var<workgroup> ps: array<f16, NW * 16u * PS>;
 
-// Integer test, so that no finite-math assumption of a compiler can remove it.
-fn finite4(x: vec4<f32>) -> vec4<f32> {
-    let bad = (bitcast<vec4<u32>>(x) & vec4<u32>(0x7f800000u)) == vec4<u32>(0x7f800000u);
-    return select(x, vec4<f32>(0.0), bad);
+// Each non-finite f16 of a word (exponent all ones) zeroed. An integer test on the packed word,
+// so that no finite-math assumption of a compiler can remove it; no conversion round trip.
+fn finite_h2(w: u32) -> u32 {
+    let lo = select(0u, 0x0000ffffu, (w & 0x00007c00u) != 0x00007c00u);
+    let hi = select(0u, 0xffff0000u, (w & 0x7c000000u) != 0x7c000000u);
+    return w & (lo | hi);
 }
 
 fn put4(i: u32, w: vec2<u32>) {
@@ -387,8 +389,7 @@ fn main(
             if (x < BK * D4) {
                 let off = (x / D4) * KS + (x % D4) * 4u;
                 put4(off, kw[it]);
-                let v = finite4(vec4<f32>(unpack2x16float(vw[it].x), unpack2x16float(vw[it].y)));
-                put4(BK * KS + off, vec2<u32>(pack2x16float(v.xy), pack2x16float(v.zw)));
+                put4(BK * KS + off, vec2<u32>(finite_h2(vw[it].x), finite_h2(vw[it].y)));
             }
         }
         if (tid == 0u) {
