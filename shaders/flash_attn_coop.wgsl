@@ -187,14 +187,14 @@ fn key_range(i: u32, s: Seq) -> vec2<i32> {
 
 
 
-// The K word (.xy) and V word (.zw) that thread slot `x` loads for the tile starting at key `j0`;
-// zero past the tile or the key range.
+// The K word (.xy) and V word (.zw) that thread slot `x` loads for the tile starting at key `j0`.
 fn kv_words(x: u32, j0: i32, end: i32, kvi: Kv, hkv: u32, kh: u32) -> vec4<u32> {
-    let j = j0 + i32(x / D4);
-    if (x >= BK * D4 || j >= end) {
-        return vec4<u32>(0u);
-    }
-    let e = (k_row(kvi, u32(j)) * hkv + kh) * D4 + x % D4;
+    // No branch: an index past the tile or the keys is clamped to a real word, and the caller
+    // zeroes those words when it stores them. A conditional load here kept the compiler from
+    // issuing a tile's loads ahead of their use (and a kernel that waited on them).
+    let xc = min(x, BK * D4 - 1u);
+    let j = max(min(j0 + i32(xc / D4), end - 1), 0);
+    let e = (k_row(kvi, u32(j)) * hkv + kh) * D4 + xc % D4;
     return vec4<u32>(kb[e], vb[e]);
 }
 
@@ -388,8 +388,10 @@ fn main(
             let x = tid + it * WG;
             if (x < BK * D4) {
                 let off = (x / D4) * KS + (x % D4) * 4u;
-                put4(off, kw[it]);
-                put4(BK * KS + off, vec2<u32>(finite_h2(vw[it].x), finite_h2(vw[it].y)));
+                // Keys past the end: zero (their words were loaded from a clamped index).
+                let live = j0 + i32(x / D4) < end;
+                put4(off, select(vec2<u32>(0u), kw[it], live));
+                put4(BK * KS + off, select(vec2<u32>(0u), vec2<u32>(finite_h2(vw[it].x), finite_h2(vw[it].y)), live));
             }
         }
         if (tid == 0u) {
