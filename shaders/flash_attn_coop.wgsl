@@ -438,24 +438,32 @@ fn main(
             return;
         }
 
-        // 3. Softmax over this invocation's half of the row.
-        var sc: array<f32, HK>;
-        var mt = NEG;
-        for (var n = 0u; n < HK; n++) {
-            let jj = half * HK + n;
-            let j = j0 + i32(jj);
-            var x = scale * ss[srow + jj];
-            if (cap > 0.0) {
-                let y = x / cap;
-                let z = exp(-2.0 * abs(y));
-                x = cap * sign(y) * (1.0 - z) / (1.0 + z);
-            }
-            x -= slope * f32(abs(ia - j));
-            // A select, not arithmetic: a NaN score of a masked key is dropped here.
-            x = select(MASKED, x, j >= lo && j < hi);
-            sc[n] = x;
-            mt = max(mt, x);
+        // 3. Softmax over this invocation's half of the row, 4 keys a vector. Every loop is
+        // branch-free (softcap's test is outside its loop), so that the compiler unrolls them and
+        // keeps `sc` in registers.
+        var sc: array<vec4<f32>, HK / 4u>;
+        let jb = j0 + i32(half * HK);
+        for (var n = 0u; n < HK / 4u; n++) {
+            let x = srow + half * HK + n * 4u;
+            sc[n] = scale * vec4<f32>(ss[x], ss[x + 1u], ss[x + 2u], ss[x + 3u]);
         }
+        if (cap > 0.0) {
+            for (var n = 0u; n < HK / 4u; n++) {
+                let y = sc[n] / cap;
+                let z = exp(-2.0 * abs(y));
+                sc[n] = cap * sign(y) * (1.0 - z) / (1.0 + z);
+            }
+        }
+        var mt4 = vec4<f32>(NEG);
+        for (var n = 0u; n < HK / 4u; n++) {
+            let jv = vec4<i32>(jb + i32(n * 4u)) + vec4<i32>(0, 1, 2, 3);
+            let x = sc[n] - slope * vec4<f32>(abs(vec4<i32>(ia) - jv));
+            // A select, not arithmetic: a NaN score of a masked key is dropped here.
+            let v = select(vec4<f32>(MASKED), x, (jv >= vec4<i32>(lo)) & (jv < vec4<i32>(hi)));
+            sc[n] = v;
+            mt4 = max(mt4, v);
+        }
+        var mt = max(max(mt4.x, mt4.y), max(mt4.z, mt4.w));
         mt = max(mt, subgroupShuffleXor(mt, 1u));
         var alpha = 1.0;
         if (mt > m + TAU) {
@@ -464,14 +472,18 @@ fn main(
             // Every writer writes the same value; the read comes after a barrier.
             ss[FLAG] = 1.0;
         }
-        var sum = 0.0;
-        for (var n = 0u; n < HK; n++) {
+        var sum4 = vec4<f32>(0.0);
+        for (var n = 0u; n < HK / 4u; n++) {
             let x = sc[n];
-            let p = select(0.0, exp(x - m), x > MASKED);
-            sum += p;
-            ps[prow + half * HK + n] = f16(p);
+            let p = select(vec4<f32>(0.0), exp(x - vec4<f32>(m)), x > vec4<f32>(MASKED));
+            sum4 += p;
+            let y = prow + half * HK + n * 4u;
+            ps[y] = f16(p.x);
+            ps[y + 1u] = f16(p.y);
+            ps[y + 2u] = f16(p.z);
+            ps[y + 3u] = f16(p.w);
         }
-        l = l * alpha + sum;
+        l = l * alpha + (sum4.x + sum4.y) + (sum4.z + sum4.w);
         if (half == 0u) {
             ss[AL + r] = alpha;
         }
