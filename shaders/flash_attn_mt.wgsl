@@ -410,13 +410,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     // zeroed (V) afterwards.
     var kreg: array<vec4<u32>, KI * 4u>;
     var vreg: array<vec4<u32>, VI>;
-    if (start < end) {
-        for (var it = 0u; it < KI; it++) {
-            // Clamped, not guarded: a load under a branch is not issued ahead of its use.
-            let xc = min(tid + it * WG, KG * D4 - 1u);
+    for (var it = 0u; it < select(0u, KI, start < end); it++) {
+        let x = tid + it * WG;
+        if (x < KG * D4) {
             for (var kj = 0u; kj < 4u; kj++) {
-                let j = min(start + i32((xc / D4) * 4u + kj), end - 1);
-                kreg[it * 4u + kj] = raw_k((k_row(kvi, u32(j)) * hkv + kh) * D + (xc % D4) * 4u);
+                let j = min(start + i32((x / D4) * 4u + kj), end - 1);
+                kreg[it * 4u + kj] = raw_k((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
             }
         }
     }
@@ -442,9 +441,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         workgroupBarrier();
         // This tile's V, in flight during q.k.
         for (var it = 0u; it < VI; it++) {
-            let xc = min(tid + it * WG, BK * D4 - 1u);
-            let j = min(j0 + i32(xc / D4), end - 1);
-            vreg[it] = raw_v((k_row(kvi, u32(j)) * hkv + kh) * D + (xc % D4) * 4u);
+            let x = tid + it * WG;
+            if (x < BK * D4) {
+                let j = min(j0 + i32(x / D4), end - 1);
+                vreg[it] = raw_v((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
+            }
         }
 
         // 4x4 score block: rows 4ty.., keys 4tx.. (a row a vector over the 4 keys).
@@ -520,10 +521,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let jn = j0 + i32(BK);
         if (jn < end) {
             for (var it = 0u; it < KI; it++) {
-                let xc = min(tid + it * WG, KG * D4 - 1u);
-                for (var kj = 0u; kj < 4u; kj++) {
-                    let j = min(jn + i32((xc / D4) * 4u + kj), end - 1);
-                    kreg[it * 4u + kj] = raw_k((k_row(kvi, u32(j)) * hkv + kh) * D + (xc % D4) * 4u);
+                let x = tid + it * WG;
+                if (x < KG * D4) {
+                    for (var kj = 0u; kj < 4u; kj++) {
+                        let j = min(jn + i32((x / D4) * 4u + kj), end - 1);
+                        kreg[it * 4u + kj] = raw_k((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
+                    }
                 }
             }
         }
