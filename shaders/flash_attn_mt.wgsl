@@ -317,9 +317,8 @@ fn kt_at(d: u32, kg: u32) -> u32 {
     return d * KG + (kg ^ ((d / 4u) & (KG - 1u)));
 }
 
-// Per-thread state lives in named vectors and arrays indexed only by unrolled loop counters in
-// branch-free loops: an array indexed in a loop the driver's compiler does not unroll is kept in
-// local memory, and every FMA on it becomes a load and a store.
+// Per-thread state lives in named vectors, and per-thread arrays are indexed only by counters of
+// constant-trip loops, so that nothing in the shader asks for them to live in local memory.
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
     let splits = md[M_SPLITS];
@@ -406,8 +405,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
     // The K/V tiles in flight: each is loaded into registers (raw words) one phase ahead of its
     // store to workgroup memory, so the loads overlap the previous phase's arithmetic. Keys past
-    // the tile's end load the last key (clamped, so no load is conditional) and are masked (K) or
-    // zeroed (V) afterwards.
+    // the tile's end load the last key (a clamped index) and are masked (K) or zeroed (V)
+    // afterwards. (Clamping the thread's item index too, instead of the `x <` guards, made f16
+    // 4% faster and f32 22% slower on an H200.)
     var kreg: array<vec4<u32>, KI * 4u>;
     var vreg: array<vec4<u32>, VI>;
     for (var it = 0u; it < select(0u, KI, start < end); it++) {
