@@ -130,7 +130,7 @@ fn gqa_decode_plan_uses_bulk_copies_on_hopper() {
         attnkit::cuda::Plan::Mma { t, .. } => t.bulk,
         other => panic!("GQA decode should run on the tensor cores, planned {other:?}"),
     };
-    let off = std::env::var("ATTNKIT_CUDA_GQA_BULK").is_ok_and(|v| v == "off");
+    let off = be.tuning().gqa_bulk == Some(0);
     if be.arch() == "sm_90" && !off {
         assert!(bulk >= 2, "sm_90 GQA decode should use bulk copies, planned {plan:?}");
     } else {

@@ -10,7 +10,7 @@
 //! Writes JSON lines to $OUT/cuda_bench.jsonl when OUT is set.
 #![cfg(feature = "cuda")]
 
-use attnkit::cuda::CudaBackend;
+use attnkit::cuda::{CudaBackend, CudaTuning};
 use attnkit::{AttentionBackend, AttnCall, DType, HostData, Tensor};
 use std::io::Write;
 
@@ -80,16 +80,21 @@ fn rel_err(a: &[f64], b: &[f64]) -> f64 {
     (num / den.max(1e-30)).sqrt()
 }
 
-fn prefill(be: &CudaBackend, dtype: DType, d: usize, s: usize, causal: bool, tile: Option<&str>, check: bool) {
+/// The backend's tuning with `f` applied (the sweeps below change one knob at a time).
+fn tune(be: &mut CudaBackend, f: impl FnOnce(&mut CudaTuning)) {
+    let mut t = be.tuning().clone();
+    f(&mut t);
+    be.set_tuning(t);
+}
+
+fn prefill(be: &mut CudaBackend, dtype: DType, d: usize, s: usize, causal: bool, tile: Option<&str>, check: bool) {
     let (b, h) = (16384 / s, 2048 / d);
     let q = rand(be, &[b, s, h, d], dtype, 1);
     let k = rand(be, &[b, s, h, d], dtype, 2);
     let v = rand(be, &[b, s, h, d], dtype, 3);
     let mut out = be.alloc(&[b, s, h, d], dtype).unwrap();
-    match tile {
-        Some(t) => std::env::set_var("ATTNKIT_CUDA_TILE", t),
-        None => std::env::remove_var("ATTNKIT_CUDA_TILE"),
-    }
+    tune(be, |t| t.tile = tile.and_then(|x| CudaTuning::parse_tile(x, true)));
+    let be = &*be;
     let call = AttnCall::dense(&q, &k, &v).causal(causal);
     let t0 = std::time::Instant::now();
     be.forward(&call, Some(&mut out), None).unwrap();
@@ -104,9 +109,8 @@ fn prefill(be: &CudaBackend, dtype: DType, d: usize, s: usize, causal: bool, til
     if check {
         // Against the CUDA-core kernel on the same inputs (the conformance suite checks both
         // against the f64 reference on small shapes).
-        std::env::set_var("ATTNKIT_CUDA_KERNEL", "simt");
-        let be2 = CudaBackend::new().unwrap();
-        std::env::remove_var("ATTNKIT_CUDA_KERNEL");
+        let mut be2 = CudaBackend::new().unwrap();
+        be2.set_kernel(Some("simt"));
         let mut o2 = be.alloc(&[b, s, h, d], dtype).unwrap();
         be.synchronize().unwrap();
         be2.forward(&AttnCall::dense(&q, &k, &v).causal(causal), Some(&mut o2), None).unwrap();
@@ -117,7 +121,6 @@ fn prefill(be: &CudaBackend, dtype: DType, d: usize, s: usize, causal: bool, til
         assert!(err < 1e-2, "tensor-core vs CUDA-core relative error {err}");
     }
     let plan = be.plan(&attnkit::validate(&call, be.device(), "cuda", None, None).unwrap());
-    std::env::remove_var("ATTNKIT_CUDA_TILE");
     log(format!(
         "{{\"kind\":\"prefill\",\"dtype\":\"{dtype}\",\"hdim\":{d},\"seqlen\":{s},\"causal\":{causal},\"tile\":\"{}\",\"plan\":\"{:?}\",\"ms\":{ms:.4},\"tflops\":{tf:.1},\"first_call_ms\":{first_ms:.1},\"rel_err_vs_simt\":{err:.2e}}}",
         tile.unwrap_or("default"),
@@ -153,18 +156,19 @@ fn decode(be: &CudaBackend, b: usize, hq: usize, hkv: usize, sk: usize) {
 #[test]
 #[ignore = "GPU benchmark: run with --ignored on a CUDA machine"]
 fn bench_standard_shapes() {
-    let be = CudaBackend::new().expect("a CUDA device");
+    let mut be = CudaBackend::new().expect("a CUDA device");
+    let base = be.tuning().clone();
     let sweep = std::env::var("ATTNKIT_BENCH_SWEEP").map(|v| v == "1").unwrap_or(false);
     println!("device {} ({} SMs)", be.arch(), be.sm_count());
     for d in [64, 128, 256] {
         for causal in [false, true] {
             for s in [2048, 8192] {
-                prefill(&be, DType::BF16, d, s, causal, None, s == 2048);
+                prefill(&mut be, DType::BF16, d, s, causal, None, s == 2048);
             }
         }
     }
-    prefill(&be, DType::F16, 128, 8192, false, None, false);
-    prefill(&be, DType::F32, 128, 2048, false, None, false);
+    prefill(&mut be, DType::F16, 128, 8192, false, None, false);
+    prefill(&mut be, DType::F32, 128, 2048, false, None, false);
     for (b, sk) in [(1, 65536), (16, 4096), (64, 1024), (64, 4096)] {
         decode(&be, b, 32, 32, sk);
     }
@@ -174,16 +178,19 @@ fn bench_standard_shapes() {
     // ATTNKIT_BENCH_DECODE_SWEEP=0 leaves the decode part of the sweep out.
     let decode_sweep = std::env::var("ATTNKIT_BENCH_DECODE_SWEEP").map(|v| v != "0").unwrap_or(true);
     if sweep && decode_sweep {
-        for (key, val) in [("ATTNKIT_CUDA_GQA", "off"), ("ATTNKIT_CUDA_GQA_BN", "16"), ("ATTNKIT_CUDA_GQA_BN", "64")] {
-            std::env::set_var(key, val);
-            println!("{key}={val}");
+        for (name, set) in [
+            ("GQA decode on CUDA cores", CudaTuning { gqa_mma: false, ..base.clone() }),
+            ("GQA decode tile of 16 keys", CudaTuning { gqa_bn: Some(16), ..base.clone() }),
+            ("GQA decode tile of 64 keys", CudaTuning { gqa_bn: Some(64), ..base.clone() }),
+        ] {
+            be.set_tuning(set);
+            println!("{name}");
             decode(&be, 64, 32, 8, 4096);
             decode(&be, 16, 32, 8, 4096);
             decode(&be, 1, 32, 8, 65536);
-            std::env::remove_var(key);
         }
-        for mult in ["2", "4", "8", "16"] {
-            std::env::set_var("ATTNKIT_CUDA_SPLIT_TARGET", mult);
+        for mult in [2, 4, 8, 16] {
+            be.set_tuning(CudaTuning { split_target: Some(mult), ..base.clone() });
             println!("split target {mult} x SMs");
             decode(&be, 1, 32, 32, 65536);
             decode(&be, 16, 32, 32, 4096);
@@ -191,7 +198,7 @@ fn bench_standard_shapes() {
             decode(&be, 16, 32, 8, 4096);
             decode(&be, 1, 32, 8, 65536);
         }
-        std::env::remove_var("ATTNKIT_CUDA_SPLIT_TARGET");
+        be.set_tuning(base.clone());
     }
     // ATTNKIT_BENCH_GQA_TILES="BM,BN,NW,MINB,WG;..." times GQA decode with other tiles (and
     // ATTNKIT_BENCH_SPLITS="2,4,8" with other split targets).
@@ -199,42 +206,42 @@ fn bench_standard_shapes() {
         let splits = std::env::var("ATTNKIT_BENCH_SPLITS").unwrap_or_else(|_| "8".into());
         for tile in list.split(';').filter(|t| !t.is_empty()) {
             for mult in splits.split(',') {
-                std::env::set_var("ATTNKIT_CUDA_GQA_TILE", tile);
-                std::env::set_var("ATTNKIT_CUDA_SPLIT_TARGET", mult);
+                be.set_tuning(CudaTuning {
+                    gqa_tile: CudaTuning::parse_tile(tile, false),
+                    split_target: mult.parse().ok(),
+                    ..base.clone()
+                });
                 println!("GQA tile {tile}, split target {mult} x SMs");
                 decode(&be, 64, 32, 8, 4096);
                 decode(&be, 16, 32, 8, 4096);
                 decode(&be, 1, 32, 8, 65536);
             }
         }
-        std::env::remove_var("ATTNKIT_CUDA_GQA_TILE");
-        std::env::remove_var("ATTNKIT_CUDA_SPLIT_TARGET");
+        be.set_tuning(base.clone());
     }
     // ATTNKIT_BENCH_GQA_BULK="off:32;2:32;3:16" times GQA decode with each bulk-copy setting
-    // (ATTNKIT_CUDA_GQA_BULK: stages, or off) and key count per tile (ATTNKIT_CUDA_GQA_BN), at the
-    // split targets of ATTNKIT_BENCH_SPLITS (CTAs per SM, or "wave").
+    // (stages, or off) and key count per tile, at the split targets of ATTNKIT_BENCH_SPLITS (CTAs
+    // per SM, or "wave").
     if let Ok(list) = std::env::var("ATTNKIT_BENCH_GQA_BULK") {
         let splits = std::env::var("ATTNKIT_BENCH_SPLITS").unwrap_or_else(|_| "8".into());
         for item in list.split(';').filter(|t| !t.is_empty()) {
             let (bulk, bn) = item.split_once(':').unwrap_or((item, "32"));
             for mult in splits.split(',') {
-                std::env::set_var("ATTNKIT_CUDA_GQA_BULK", bulk);
-                std::env::set_var("ATTNKIT_CUDA_GQA_BN", bn);
-                // "wave": the planner's own split count (whole waves of resident CTAs).
-                if mult == "wave" {
-                    std::env::remove_var("ATTNKIT_CUDA_SPLIT_TARGET");
-                } else {
-                    std::env::set_var("ATTNKIT_CUDA_SPLIT_TARGET", mult);
-                }
+                // "wave" (or anything but a count): the planner's own split count (whole waves of
+                // resident CTAs).
+                be.set_tuning(CudaTuning {
+                    gqa_bulk: Some(if bulk == "off" { 0 } else { bulk.parse().unwrap_or(2) }),
+                    gqa_bn: bn.parse().ok(),
+                    split_target: mult.parse().ok(),
+                    ..base.clone()
+                });
                 println!("GQA bulk {bulk}, {bn} keys a tile, split target {mult}");
                 decode(&be, 64, 32, 8, 4096);
                 decode(&be, 16, 32, 8, 4096);
                 decode(&be, 1, 32, 8, 65536);
             }
         }
-        for k in ["ATTNKIT_CUDA_GQA_BULK", "ATTNKIT_CUDA_GQA_BN", "ATTNKIT_CUDA_SPLIT_TARGET"] {
-            std::env::remove_var(k);
-        }
+        be.set_tuning(base.clone());
     }
     if sweep {
         // BM,BN,NW,MINB,WG: rows per CTA, keys per tile, warps, CTAs per SM the registers must
@@ -259,7 +266,7 @@ fn bench_standard_shapes() {
         ] {
             for t in tiles.iter().filter(|_| tiles_on) {
                 for causal in [false, true] {
-                    prefill(&be, DType::BF16, d, 8192, causal, Some(t), false);
+                    prefill(&mut be, DType::BF16, d, 8192, causal, Some(t), false);
                 }
             }
         }

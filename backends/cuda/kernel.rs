@@ -138,18 +138,84 @@ impl MmaTraits {
     }
 }
 
-/// A tile override from the environment variable `var`: `BM,BN,NW,MINB,WG`, or with `short` also
-/// `BM,BN,NW` and `BM,BN,NW,MINB` (MINB 1, WG 0). The Hopper flag holds only on Hopper; an
-/// invalid tile is ignored.
-fn tile_from_env(var: &str, short: bool, dpad: usize, post: bool, hopper: bool) -> Option<MmaTraits> {
-    let s = std::env::var(var).ok()?;
-    let v: Vec<usize> = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
-    let (bm, bn, nw, minb, wg) = match v[..] {
-        [bm, bn, nw] if short => (bm, bn, nw, 1, 0),
-        [bm, bn, nw, minb] if short => (bm, bn, nw, minb, 0),
-        [bm, bn, nw, minb, wg] => (bm, bn, nw, minb, wg),
-        _ => return None,
-    };
+/// The planner's tuning knobs. A backend reads them from the environment once, when it is built
+/// ([`CudaTuning::from_env`]), and [`super::CudaBackend::set_tuning`] replaces them: no call
+/// reads the environment (which allocates). The defaults are the measured choices of
+/// docs/PERF_NOTES.md (cuda).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CudaTuning {
+    /// Prefill tile `[BM, BN, NW, MINB, WG]` instead of the default (`ATTNKIT_CUDA_TILE`, see
+    /// [`CudaTuning::parse_tile`]); a tile the kernel cannot run is ignored.
+    pub tile: Option<[usize; 5]>,
+    /// Tile of the GQA decode kernel, the same way (`ATTNKIT_CUDA_GQA_TILE`, all five values).
+    pub gqa_tile: Option<[usize; 5]>,
+    /// Keys per tile of the GQA decode kernel, a positive multiple of 16 (`ATTNKIT_CUDA_GQA_BN`).
+    pub gqa_bn: Option<usize>,
+    /// Bulk-copy stages of the GQA decode kernel on Hopper: 2 to 4, or 0 for 16-byte copies
+    /// (`ATTNKIT_CUDA_GQA_BULK`: a count or `off`); `None` or another count: the default, 2.
+    pub gqa_bulk: Option<usize>,
+    /// Split-KV target in CTAs per SM instead of the planner's own (`ATTNKIT_CUDA_SPLIT_TARGET`).
+    pub split_target: Option<usize>,
+    /// Hopper's warpgroup-MMA prefill variant (`ATTNKIT_CUDA_WGMMA=off`: false).
+    pub wgmma: bool,
+    /// GQA decode on the tensor cores (`ATTNKIT_CUDA_GQA=off`: false).
+    pub gqa_mma: bool,
+}
+
+impl Default for CudaTuning {
+    fn default() -> Self {
+        CudaTuning {
+            tile: None,
+            gqa_tile: None,
+            gqa_bn: None,
+            gqa_bulk: None,
+            split_target: None,
+            wgmma: true,
+            gqa_mma: true,
+        }
+    }
+}
+
+impl CudaTuning {
+    /// The knobs from the `ATTNKIT_CUDA_*` environment variables (unset or unreadable: the
+    /// default).
+    pub fn from_env() -> Self {
+        let var = |k: &str| std::env::var(k).ok();
+        CudaTuning {
+            tile: var("ATTNKIT_CUDA_TILE").and_then(|s| Self::parse_tile(&s, true)),
+            gqa_tile: var("ATTNKIT_CUDA_GQA_TILE").and_then(|s| Self::parse_tile(&s, false)),
+            gqa_bn: var("ATTNKIT_CUDA_GQA_BN").and_then(|s| s.trim().parse().ok()),
+            gqa_bulk: var("ATTNKIT_CUDA_GQA_BULK").map(|s| {
+                if s == "off" {
+                    0
+                } else {
+                    s.trim().parse().unwrap_or(GQA_BULK_STAGES)
+                }
+            }),
+            split_target: var("ATTNKIT_CUDA_SPLIT_TARGET").and_then(|s| s.trim().parse().ok()),
+            wgmma: var("ATTNKIT_CUDA_WGMMA").is_none_or(|v| v != "off"),
+            gqa_mma: var("ATTNKIT_CUDA_GQA").is_none_or(|v| v != "off"),
+        }
+    }
+
+    /// A tile as `BM,BN,NW,MINB,WG` (rows per CTA, keys per tile, warps, CTAs per SM the
+    /// registers must fit, 1 for Hopper's warpgroup MMAs), or with `short` also `BM,BN,NW` and
+    /// `BM,BN,NW,MINB` (MINB 1, WG 0).
+    pub fn parse_tile(s: &str, short: bool) -> Option<[usize; 5]> {
+        let v: Vec<usize> = s.split(',').filter_map(|x| x.trim().parse().ok()).collect();
+        match v[..] {
+            [bm, bn, nw] if short => Some([bm, bn, nw, 1, 0]),
+            [bm, bn, nw, minb] if short => Some([bm, bn, nw, minb, 0]),
+            [bm, bn, nw, minb, wg] => Some([bm, bn, nw, minb, wg]),
+            _ => None,
+        }
+    }
+}
+
+/// A tile override as kernel traits. The Hopper flag holds only on Hopper; a tile the kernel
+/// cannot run is ignored.
+fn tile_traits(tile: Option<[usize; 5]>, dpad: usize, post: bool, hopper: bool) -> Option<MmaTraits> {
+    let [bm, bn, nw, minb, wg] = tile?;
     let t = MmaTraits { dpad, bm, bn, nw, minb, post, wg: wg == 1 && hopper, bulk: 0 };
     t.valid().then_some(t)
 }
@@ -167,17 +233,15 @@ pub fn mma_dpad(d: usize) -> usize {
 
 /// Kernel traits per padded head dim, for a call with (`post`) or without the score transform,
 /// on a Hopper GPU (`hopper`: sm_90, where the warpgroup-MMA variant runs) or not.
-/// `ATTNKIT_CUDA_TILE=BM,BN,NW[,MINB[,WG]]` overrides them (for tuning); `ATTNKIT_CUDA_WGMMA=off`
-/// keeps Hopper on `mma.sync`.
+/// `tuning.tile` overrides them; `tuning.wgmma` false keeps Hopper on `mma.sync`.
 ///
 /// The defaults and the measurements that chose them are in docs/PERF_NOTES.md (cuda, v2, v4).
-pub fn mma_traits(d: usize, post: bool, hopper: bool) -> MmaTraits {
+pub fn mma_traits(d: usize, post: bool, hopper: bool, tuning: &CudaTuning) -> MmaTraits {
     let dpad = mma_dpad(d);
-    if let Some(t) = tile_from_env("ATTNKIT_CUDA_TILE", true, dpad, post, hopper) {
+    if let Some(t) = tile_traits(tuning.tile, dpad, post, hopper) {
         return t;
     }
-    let wg_on = std::env::var("ATTNKIT_CUDA_WGMMA").map(|v| v != "off").unwrap_or(true);
-    if hopper && wg_on && dpad >= 64 {
+    if hopper && tuning.wgmma && dpad >= 64 {
         // Two warpgroups of 64 rows, 64-key tiles. At d 128 the registers are capped so that
         // two CTAs share an SM (128 registers, 24 bytes of spills): 473 TFLOP/s where one CTA
         // per SM (155 registers) reached 316 on an H200; d 64 fits two CTAs uncapped (107
@@ -306,21 +370,19 @@ fn simt_dmax(d: usize) -> usize {
 /// Elsewhere than Hopper: 32 keys per tile through 16-byte async copies (37 KiB of shared
 /// memory at d 128, so six CTAs per SM; on an H200 3.36 TB/s where 64 keys read 1.77 and 128
 /// keys 0.52, docs/PERF_NOTES.md, cuda v2). On Hopper: 16 keys per tile through bulk copies.
-/// ATTNKIT_CUDA_GQA_BN overrides the key count, and on Hopper (`hopper`)
-/// `ATTNKIT_CUDA_GQA_TILE=BM,BN,NW,MINB,WG` the whole tile (for tuning).
-pub fn gqa_decode_traits(d: usize, post: bool, hopper: bool) -> MmaTraits {
+/// `tuning.gqa_bn` overrides the key count, `tuning.gqa_tile` the whole tile (for tuning).
+pub fn gqa_decode_traits(d: usize, post: bool, hopper: bool, tuning: &CudaTuning) -> MmaTraits {
     let dpad = mma_dpad(d);
-    if let Some(t) = tile_from_env("ATTNKIT_CUDA_GQA_TILE", false, dpad, post, hopper) {
+    if let Some(t) = tile_traits(tuning.gqa_tile, dpad, post, hopper) {
         return t;
     }
-    let bn = std::env::var("ATTNKIT_CUDA_GQA_BN").ok().and_then(|s| s.parse().ok()).filter(|b| b % 16 == 0 && *b > 0);
-    // On Hopper the K/V rows arrive by bulk copies (`ATTNKIT_CUDA_GQA_BULK=off` keeps the
-    // 16-byte copies, `=3` or `=4` sets the stages).
-    let bulk = match std::env::var("ATTNKIT_CUDA_GQA_BULK").ok().as_deref() {
+    let bn = tuning.gqa_bn.filter(|b| b % 16 == 0 && *b > 0);
+    // On Hopper the K/V rows arrive by bulk copies (`gqa_bulk` 0 keeps the 16-byte copies, 3
+    // or 4 sets the stages).
+    let bulk = match tuning.gqa_bulk {
         _ if !hopper => 0,
-        Some("off") => 0,
-        Some(n) => n.parse().ok().filter(|n| (2..=4).contains(n)).unwrap_or(GQA_BULK_STAGES),
-        None => GQA_BULK_STAGES,
+        Some(n) if n == 0 || (2..=4).contains(&n) => n,
+        _ => GQA_BULK_STAGES,
     };
     // 16 keys a tile with bulk copies: 10 CTAs per SM at d 128 (32 keys: 5), 3.70 against
     // 2.60 TB/s at batch 64 on an H200 (docs/PERF_NOTES.md, cuda v6).
@@ -335,10 +397,9 @@ const GQA_BULK_STAGES: usize = 2;
 /// rather than the CUDA-core decode kernel, for f16 and bf16.
 pub const GQA_MMA_MIN_GROUP: usize = 4;
 
-/// Split count: about `mult` CTAs per SM (ATTNKIT_CUDA_SPLIT_TARGET overrides `mult`), each
-/// split keeping at least 256 keys, at most 64 splits.
+/// Split count: about `mult` CTAs per SM, each split keeping at least 256 keys, at most 64
+/// splits.
 fn split_count(ctas: usize, max_k: usize, sms: usize, mult: usize) -> usize {
-    let mult = std::env::var("ATTNKIT_CUDA_SPLIT_TARGET").ok().and_then(|s| s.parse().ok()).unwrap_or(mult);
     let target = mult.max(1) * sms.max(1);
     let by_len = (max_k / 256).max(1);
     if ctas >= target {
@@ -380,13 +441,16 @@ pub fn wave_splits(ctas: usize, slots: usize, max_k: usize) -> usize {
 /// (on the tensor cores for f16/bf16 with a GQA group of at least [`GQA_MMA_MIN_GROUP`]), else
 /// the tensor cores for f16/bf16, else CUDA cores. `force` picks `simt`, `mma` or `decode` where
 /// that kernel can run the call; `splits` forces the split count of the split-KV kernels;
-/// `hopper` (an sm_90 device) lets prefill use the warpgroup-MMA variant.
+/// `hopper` (an sm_90 device) lets prefill use the warpgroup-MMA variant; `tuning` holds the
+/// overrides (`tuning.split_target`: about that many CTAs per SM instead of the planner's split
+/// count).
 pub fn plan(
     c: &Checked<'_>,
     sms: usize,
     hopper: bool,
     force: Option<&str>,
     splits: Option<usize>,
+    tuning: &CudaTuning,
     occupancy: &dyn Fn(&MmaTraits) -> Option<usize>,
 ) -> Plan {
     let rows = c.max_q * c.group();
@@ -398,23 +462,23 @@ pub fn plan(
         let rmax = rows.max(1).next_power_of_two();
         let lpk = (c.d / 8).max(1).next_power_of_two();
         // About three CTAs per SM (the planner the suite passed with on an H200).
-        let splits = splits.unwrap_or_else(|| split_count(c.batch * c.hkv, c.max_k, sms, 3));
+        let splits =
+            splits.unwrap_or_else(|| split_count(c.batch * c.hkv, c.max_k, sms, tuning.split_target.unwrap_or(3)));
         Plan::Decode { lpk, rmax, splits }
     };
     let mma = || {
         if decode_ok {
             // One-warp CTAs: split the keys so the CTAs fill whole waves of what the device
-            // holds at once (ATTNKIT_CUDA_SPLIT_TARGET: about that many CTAs per SM instead).
-            let t = gqa_decode_traits(c.d, post, hopper);
+            // holds at once (`tuning.split_target`: about that many CTAs per SM instead).
+            let t = gqa_decode_traits(c.d, post, hopper, tuning);
             let ctas = c.batch * c.hkv * rows.div_ceil(t.bm);
-            let by_target = std::env::var("ATTNKIT_CUDA_SPLIT_TARGET").is_ok();
-            let splits = splits.unwrap_or_else(|| match occupancy(&t) {
-                Some(per_sm) if !by_target => wave_splits(ctas, per_sm * sms, c.max_k),
-                _ => split_count(ctas, c.max_k, sms, 8),
+            let splits = splits.unwrap_or_else(|| match (occupancy(&t), tuning.split_target) {
+                (Some(per_sm), None) => wave_splits(ctas, per_sm * sms, c.max_k),
+                (_, mult) => split_count(ctas, c.max_k, sms, mult.unwrap_or(8)),
             });
             Plan::Mma { t, splits }
         } else {
-            Plan::Mma { t: mma_traits(c.d, post, hopper), splits: splits.unwrap_or(1) }
+            Plan::Mma { t: mma_traits(c.d, post, hopper, tuning), splits: splits.unwrap_or(1) }
         }
     };
     match force {
@@ -423,8 +487,7 @@ pub fn plan(
         Some("decode") if decode_ok => return decode(),
         _ => {}
     }
-    let gqa_mma = std::env::var("ATTNKIT_CUDA_GQA").map(|v| v != "off").unwrap_or(true);
-    if decode_ok && mma_ok && gqa_mma && c.group() >= GQA_MMA_MIN_GROUP {
+    if decode_ok && mma_ok && tuning.gqa_mma && c.group() >= GQA_MMA_MIN_GROUP {
         mma()
     } else if decode_ok {
         decode()
@@ -439,6 +502,7 @@ pub fn plan(
 /// the default kernel traits, on Hopper and elsewhere: what CI compiles (the Hopper variants
 /// only for sm_90, see [`Variant::runs_on`]).
 pub fn all_variants() -> Vec<Variant> {
+    let tn = &CudaTuning::default();
     let mut v = Vec::new();
     for dt in [DType::F32, DType::F16, DType::BF16] {
         for dmax in [32, 64, 128, 256] {
@@ -452,12 +516,12 @@ pub fn all_variants() -> Vec<Variant> {
         if dt != DType::F32 {
             for dpad in [32, 64, 128, 192, 256] {
                 for post in [false, true] {
-                    v.push(Plan::Mma { t: mma_traits(dpad, post, false), splits: 1 }.variant(dt));
+                    v.push(Plan::Mma { t: mma_traits(dpad, post, false, tn), splits: 1 }.variant(dt));
                     if dpad >= 64 {
-                        v.push(Plan::Mma { t: mma_traits(dpad, post, true), splits: 1 }.variant(dt));
+                        v.push(Plan::Mma { t: mma_traits(dpad, post, true, tn), splits: 1 }.variant(dt));
                     }
-                    v.push(Plan::Mma { t: gqa_decode_traits(dpad, post, false), splits: 1 }.variant(dt));
-                    v.push(Plan::Mma { t: gqa_decode_traits(dpad, post, true), splits: 1 }.variant(dt));
+                    v.push(Plan::Mma { t: gqa_decode_traits(dpad, post, false, tn), splits: 1 }.variant(dt));
+                    v.push(Plan::Mma { t: gqa_decode_traits(dpad, post, true, tn), splits: 1 }.variant(dt));
                 }
             }
         }
@@ -467,7 +531,41 @@ pub fn all_variants() -> Vec<Variant> {
 
 #[cfg(test)]
 mod tests {
-    use super::wave_splits;
+    use super::{gqa_decode_traits, mma_traits, wave_splits, CudaTuning, MmaTraits};
+
+    fn tile(t: MmaTraits) -> (usize, usize, usize, usize, bool, usize) {
+        (t.bm, t.bn, t.nw, t.minb, t.wg, t.bulk)
+    }
+
+    #[test]
+    fn tuning_defaults_and_overrides() {
+        let def = CudaTuning::default();
+        assert!(def.wgmma && def.gqa_mma && def.tile.is_none() && def.split_target.is_none());
+        // The measured defaults (docs/PERF_NOTES.md, cuda v4 and v6).
+        assert_eq!(tile(mma_traits(128, false, true, &def)), (128, 64, 8, 2, true, 0));
+        assert_eq!(tile(mma_traits(128, true, true, &def)), (128, 64, 8, 1, true, 0));
+        assert_eq!(tile(mma_traits(128, false, false, &def)), (128, 64, 4, 1, false, 0));
+        assert_eq!(tile(mma_traits(256, false, false, &def)), (128, 64, 8, 1, false, 0));
+        assert_eq!(tile(gqa_decode_traits(128, false, true, &def)), (16, 16, 1, 1, false, 2));
+        assert_eq!(tile(gqa_decode_traits(128, false, false, &def)), (16, 32, 1, 1, false, 0));
+        // Overrides.
+        let no_wg = CudaTuning { wgmma: false, ..def.clone() };
+        assert_eq!(tile(mma_traits(128, false, true, &no_wg)), (128, 64, 4, 1, false, 0));
+        let t = CudaTuning { tile: CudaTuning::parse_tile("64,64,4", true), ..def.clone() };
+        assert_eq!(tile(mma_traits(64, false, false, &t)), (64, 64, 4, 1, false, 0));
+        // A tile the kernel cannot run (BM not a multiple of 16 warps' rows) is ignored.
+        let bad = CudaTuning { tile: Some([40, 64, 4, 1, 0]), ..def.clone() };
+        assert_eq!(mma_traits(128, false, false, &bad), mma_traits(128, false, false, &def));
+        let off = CudaTuning { gqa_bulk: Some(0), ..def.clone() };
+        assert_eq!(tile(gqa_decode_traits(128, false, true, &off)), (16, 32, 1, 1, false, 0));
+        let odd = CudaTuning { gqa_bulk: Some(7), gqa_bn: Some(24), ..def.clone() };
+        assert_eq!(tile(gqa_decode_traits(128, false, true, &odd)), (16, 16, 1, 1, false, 2));
+        // The tile syntax.
+        assert_eq!(CudaTuning::parse_tile("128,64,8,2,1", false), Some([128, 64, 8, 2, 1]));
+        assert_eq!(CudaTuning::parse_tile("128,64,8", false), None);
+        assert_eq!(CudaTuning::parse_tile("128, 64, 8, 2", true), Some([128, 64, 8, 2, 0]));
+        assert_eq!(CudaTuning::parse_tile("x", true), None);
+    }
 
     #[test]
     fn wave_splits_fill_whole_waves() {

@@ -26,7 +26,7 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
-pub use kernel::{all_variants, mma_traits, KernelKey, MmaTraits, Plan, Variant, DECODE_MAX_ROWS};
+pub use kernel::{all_variants, mma_traits, CudaTuning, KernelKey, MmaTraits, Plan, Variant, DECODE_MAX_ROWS};
 pub use nvrtc::{cache_dir, Family};
 
 use crate::backend::AttentionBackend;
@@ -159,6 +159,7 @@ pub struct CudaBackend {
     state: Mutex<State>,
     force: Option<String>,
     splits: Option<usize>,
+    tuning: CudaTuning,
 }
 
 impl std::fmt::Debug for CudaBackend {
@@ -243,6 +244,7 @@ impl CudaBackend {
             }),
             force,
             splits: None,
+            tuning: CudaTuning::from_env(),
         })
     }
 
@@ -250,6 +252,17 @@ impl CudaBackend {
     /// tuning; `None` restores the planner). `ATTNKIT_CUDA_KERNEL` sets it at construction.
     pub fn set_kernel(&mut self, kernel: Option<&str>) {
         self.force = kernel.map(str::to_string);
+    }
+
+    /// Replace the planner's tuning knobs (read from the `ATTNKIT_CUDA_*` environment variables
+    /// when the backend was built; see [`CudaTuning`]).
+    pub fn set_tuning(&mut self, tuning: CudaTuning) {
+        self.tuning = tuning;
+    }
+
+    /// The planner's tuning knobs.
+    pub fn tuning(&self) -> &CudaTuning {
+        &self.tuning
     }
 
     /// Force the split count of the split-KV kernels (`None`: planned from the problem and the
@@ -283,7 +296,7 @@ impl CudaBackend {
             let l = self.kernel(&Plan::Mma { t: *t, splits: 1 }, c.dtype).ok()?;
             (l.info.ctas_per_sm > 0).then_some(l.info.ctas_per_sm)
         };
-        kernel::plan(c, self.sms, self.arch == "sm_90", self.force.as_deref(), self.splits, &occupancy)
+        kernel::plan(c, self.sms, self.arch == "sm_90", self.force.as_deref(), self.splits, &self.tuning, &occupancy)
     }
 
     /// Bytes of split-KV workspace a call needs (0 for most prefill calls). The backend keeps
