@@ -33,12 +33,16 @@ use crate::validate::{key_range, Checked, Seq};
 /// Keys per tile. 64 keys x D 128 x 4 B = 32 KiB per packed k or v tile: with the task's q, s and
 /// o (128 rows) the working set stays in L2, and the register tiles stream from L1.
 const BK: usize = 64;
-/// Query rows per task (query positions x heads of a group): at S = 2048, H = 8 that is 128
-/// tasks, plenty for two cores, and each packed k/v tile is reused by 128 rows. Every task of a
-/// head streams that head's whole K and V (2 MiB in f32 at S 2048, D 128: more than a core's L2),
-/// so the rows per task set how often they come from memory; 128 rows timed 4-10% faster than 64
-/// on a 2-core Xeon (Emerald Rapids), f32 and bf16, D 64 and 128.
-const ROWS: usize = 128;
+/// Query rows per task (query positions x heads of a group) of a call without a causal or window
+/// mask: at S = 2048, H = 16 that is 128 tasks, plenty for two cores. Every task of a head streams
+/// that head's whole K and V (2 MiB in f32 at S 2048, D 128: more than a core's L2), so the rows
+/// per task set how often they come from memory: on a 2-core Xeon (Emerald Rapids) 128 rows
+/// timed 4-10% faster than 64, and 256 another 5-7% at D 128 (2-3% at D 64), f32.
+const ROWS: usize = 256;
+/// Query rows per task with a causal or window mask: a task runs whole key tiles up to its last
+/// row's keys, so the masked work it cannot skip grows with its rows; with 256 rows the causal
+/// calls timed no faster while the full-mask ones gained, which pushes causal / full up.
+const ROWS_MASKED: usize = 128;
 /// Largest lane count of any instruction set, for padding.
 const MAX_LANES: usize = 16;
 /// At most this many rows per kv head (decode: one position times a GQA group of up to 4), q·kᵀ
@@ -270,12 +274,15 @@ pub(crate) struct Plan {
 impl Plan {
     pub(crate) fn new(c: &Checked<'_>) -> Plan {
         let g = c.group();
-        let hn = g.min(ROWS);
+        let p = &c.call.params;
+        let masked = p.causal || p.window_left.is_some() || p.window_right.is_some();
+        let rows = if masked { ROWS_MASKED } else { ROWS };
+        let hn = g.min(rows);
         let hparts = g.div_ceil(hn);
-        let bq = (ROWS / hn).max(1).min(c.max_q.max(1));
+        let bq = (rows / hn).max(1).min(c.max_q.max(1));
         // Few rows per kv head (decode): a task takes several kv heads, so it reads whole token
         // rows (every head of a token is adjacent) instead of a short strided run per head.
-        let nh = (ROWS / (bq * hn)).clamp(1, c.hkv);
+        let nh = (rows / (bq * hn)).clamp(1, c.hkv);
         let groups: usize =
             (0..c.batch).map(|b| c.seq(b).q_len.div_ceil(bq)).sum::<usize>() * c.hkv.div_ceil(nh) * hparts;
         // Fewer tasks than a few per thread: split the keys (flash-decoding), at least two tiles each.
