@@ -20,7 +20,8 @@
 // Split-KV: with `num_splits > 1` a workgroup handles one chunk of the key range and writes its
 // normalised partial output and partial lse; `combine.wgsl` merges them.
 //
-// The host specialises the lines marked `@spec` (head dim, dtype, tile sizes) before compiling.
+// The host puts shaders/include/common.wgsl and storage.wgsl in place of their `@include` lines
+// and specialises the lines marked `@spec` (head dim, dtype, tile sizes) before compiling.
 
 const D: u32 = 128u; // @spec head dim, a multiple of 4
 const DT: u32 = 0u; // @spec storage dtype: 0 f32, 1 f16 (two per u32), 2 bf16 (two per u32)
@@ -43,44 +44,9 @@ const KW: u32 = D4 * WPC;
 const KWS: u32 = KW + 1u;
 // K words a thread moves per tile.
 const KLD: u32 = (BK * KW + WG - 1u) / WG;
-// A finite "minus infinity": WGSL implementations may assume finite math, so the running max
-// starts here, fully masked rows are detected by l == 0, and true -inf is only ever stored.
-const NEG: f32 = -3.0e38;
-const MASKED: f32 = -3.3e38; // below NEG: a score no row may use
 
-// Header words of `md` (the metadata buffer) (the host writes them in the same order).
-const M_BATCH: u32 = 0u;
-const M_HQ: u32 = 1u;
-const M_HKV: u32 = 2u;
-const M_KIND: u32 = 3u; // 0 dense, 1 varlen, 2 paged
-const M_SQ: u32 = 4u; // dense Sq
-const M_SK: u32 = 5u; // dense Sk
-const M_TQ: u32 = 6u; // rows of q
-const M_BS: u32 = 7u; // paged block size
-const M_MAXB: u32 = 8u; // paged block-table columns
-const M_CAUSAL: u32 = 9u;
-const M_WL: u32 = 10u; // i32, -1 = unbounded
-const M_WR: u32 = 11u; // i32, -1 = unbounded
-const M_CAP: u32 = 12u; // f32 bits, 0 = no softcap
-const M_SCALE: u32 = 13u; // f32 bits
-const M_ALIBI: u32 = 14u;
-const M_LSE: u32 = 15u;
-const M_SPLITS: u32 = 16u;
-const M_OFF_CUQ: u32 = 17u;
-const M_OFF_CUK: u32 = 18u; // cu_seqlens_k (varlen) or seq_lens (paged)
-const M_OFF_BT: u32 = 19u;
-const M_OFF_ALIBI: u32 = 20u;
-
-// Tensors as 8-byte words: one word is 4 elements of f16/bf16, or 2 of f32. D is a multiple of 4,
-// so every vec4 of a row starts on a word.
-@group(0) @binding(0) var<storage, read> qb: array<vec2<u32>>;
-@group(0) @binding(1) var<storage, read> kb: array<vec2<u32>>;
-@group(0) @binding(2) var<storage, read> vb: array<vec2<u32>>;
-@group(0) @binding(3) var<storage, read_write> ob: array<vec2<u32>>;
-@group(0) @binding(4) var<storage, read_write> lseb: array<f32>;
-@group(0) @binding(5) var<storage, read> md: array<u32>;
-@group(0) @binding(6) var<storage, read_write> part_o: array<vec4<f32>>;
-@group(0) @binding(7) var<storage, read_write> part_lse: array<f32>;
+// @include common.wgsl
+// @include storage.wgsl
 
 // Q rows (written before the first tile), then the buffer in which the slots are merged.
 var<workgroup> qs: array<vec4<f32>, BQ * D4>;
@@ -90,131 +56,6 @@ var<workgroup> sc: array<f32, 2u * TPK * BQ * BK>;
 var<workgroup> rinfo: array<vec4<i32>, BQ>;
 // Per (slot, row): running max and sum at the end.
 var<workgroup> ml: array<vec2<f32>, NKS * BQ>;
-
-fn bf16x2(w: u32) -> vec2<f32> {
-    return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xffff0000u));
-}
-
-// Round to nearest even; NaN stays NaN.
-fn to_bf16(x: f32) -> u32 {
-    let b = bitcast<u32>(x);
-    if ((b & 0x7fffffffu) > 0x7f800000u) {
-        return (b >> 16u) | 0x40u;
-    }
-    return (b + 0x7fffu + ((b >> 16u) & 1u)) >> 16u;
-}
-
-// A vec4 column from its raw words: four f32 words, or two words of two halves (.zw unused).
-fn widen(w: vec4<u32>) -> vec4<f32> {
-    if (DT == 0u) {
-        return bitcast<vec4<f32>>(w);
-    }
-    if (DT == 1u) {
-        return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y));
-    }
-    return vec4<f32>(bf16x2(w.x), bf16x2(w.y));
-}
-// The raw words of the vec4 column starting at element `e` (a multiple of 4) of a tensor.
-fn raw_q(e: u32) -> vec4<u32> {
-    if (DT == 0u) {
-        return vec4<u32>(qb[e / 2u], qb[e / 2u + 1u]);
-    }
-    return vec4<u32>(qb[e / 4u], 0u, 0u);
-}
-fn raw_v(e: u32) -> vec4<u32> {
-    if (DT == 0u) {
-        return vec4<u32>(vb[e / 2u], vb[e / 2u + 1u]);
-    }
-    return vec4<u32>(vb[e / 4u], 0u, 0u);
-}
-// Integer test, so that no finite-math assumption of a compiler can remove it.
-fn finite4(x: vec4<f32>) -> vec4<f32> {
-    let bad = (bitcast<vec4<u32>>(x) & vec4<u32>(0x7f800000u)) == vec4<u32>(0x7f800000u);
-    return select(x, vec4<f32>(0.0), bad);
-}
-fn store_o(e: u32, x: vec4<f32>) {
-    if (DT == 0u) {
-        ob[e / 2u] = bitcast<vec2<u32>>(x.xy);
-        ob[e / 2u + 1u] = bitcast<vec2<u32>>(x.zw);
-    } else if (DT == 1u) {
-        ob[e / 4u] = vec2<u32>(pack2x16float(x.xy), pack2x16float(x.zw));
-    } else {
-        ob[e / 4u] = vec2<u32>(to_bf16(x.x) | (to_bf16(x.y) << 16u), to_bf16(x.z) | (to_bf16(x.w) << 16u));
-    }
-}
-
-struct Seq {
-    q0: u32,
-    ql: u32,
-    k0: u32,
-    kl: u32,
-}
-
-fn seq_of(b: u32) -> Seq {
-    let kind = md[M_KIND];
-    if (kind == 0u) {
-        let sq = md[M_SQ];
-        let sk = md[M_SK];
-        return Seq(b * sq, sq, b * sk, sk);
-    }
-    let cq = md[M_OFF_CUQ];
-    let ck = md[M_OFF_CUK];
-    let q0 = md[cq + b];
-    let ql = md[cq + b + 1u] - q0;
-    if (kind == 1u) {
-        let k0 = md[ck + b];
-        return Seq(q0, ql, k0, md[ck + b + 1u] - k0);
-    }
-    return Seq(q0, ql, 0u, md[ck + b]);
-}
-
-// Where the kv tokens of one sequence are, read from the metadata once per workgroup.
-struct Kv {
-    paged: bool,
-    pow2: bool, // block size a power of two: shift and mask instead of a division
-    sh: u32,
-    bs: u32,
-    bt: u32, // first block-table entry of the sequence in md
-    k0: u32,
-}
-
-fn kv_of(b: u32, s: Seq) -> Kv {
-    let bs = max(md[M_BS], 1u);
-    return Kv(md[M_KIND] == 2u, (bs & (bs - 1u)) == 0u, countTrailingZeros(bs), bs, md[M_OFF_BT] + b * md[M_MAXB], s.k0);
-}
-
-// Row of kv token `t` in k/v seen as [rows, Hkv, D].
-fn k_row(kvl: Kv, t: u32) -> u32 {
-    if (kvl.paged) {
-        if (kvl.pow2) {
-            return (md[kvl.bt + (t >> kvl.sh)] << kvl.sh) | (t & (kvl.bs - 1u));
-        }
-        return md[kvl.bt + t / kvl.bs] * kvl.bs + t % kvl.bs;
-    }
-    return kvl.k0 + t;
-}
-
-// [lo, hi) of keys visible to query i of the sequence; lo == hi when none.
-fn key_range(i: u32, s: Seq) -> vec2<i32> {
-    let ia = i32(i) + i32(s.kl) - i32(s.ql);
-    var lo = 0;
-    var hi = i32(s.kl);
-    if (md[M_CAUSAL] != 0u) {
-        hi = min(hi, ia + 1);
-    }
-    let wl = bitcast<i32>(md[M_WL]);
-    if (wl >= 0) {
-        lo = max(lo, ia - wl);
-    }
-    let wr = bitcast<i32>(md[M_WR]);
-    if (wr >= 0) {
-        hi = min(hi, ia + wr + 1);
-    }
-    if (hi <= lo) {
-        return vec2<i32>(0, 0);
-    }
-    return vec2<i32>(lo, hi);
-}
 
 // One thread's loads of the tile at key j0: K words tid, tid + WG, ... of the tile (row x / KW,
 // word x % KW) and the raw words of vec4 column `c` of the V rows of keys slot, slot + NKS, ...;
@@ -489,30 +330,13 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let i = p / g;
             let h = kh * g + p % g;
             let row = s.q0 + i;
-            let ll = lt[r];
             if (splits == 1u) {
                 store_o((row * hq + h) * D + c * 4u, res);
-                if (c == 0u && md[M_LSE] != 0u) {
-                    var lv = bitcast<f32>(0xff800000u); // -inf
-                    if (ll > 0.0) {
-                        lv = mx[r] + log(ll);
-                    }
-                    var li = h * md[M_TQ] + row;
-                    if (md[M_KIND] == 0u) {
-                        li = (b * hq + h) * md[M_SQ] + i;
-                    }
-                    lseb[li] = lv;
-                }
             } else {
-                let pi = (split * md[M_TQ] + row) * hq + h;
-                part_o[pi * D4 + c] = res;
-                if (c == 0u) {
-                    var lv = NEG;
-                    if (ll > 0.0) {
-                        lv = mx[r] + log(ll);
-                    }
-                    part_lse[pi] = lv;
-                }
+                part_o[((split * md[M_TQ] + row) * hq + h) * D4 + c] = res;
+            }
+            if (c == 0u) {
+                put_lse(b, s, i, h, mx[r], lt[r], split, splits);
             }
         }
     }

@@ -7,19 +7,20 @@
 // One workgroup owns BQ = 16 * NW consecutive queries of one query head; subgroup s owns the
 // 16-row strip s. Per tile of BK keys:
 //   1. the K and V tiles (prefetched into registers during the previous tile) are stored as f16
-//      into workgroup memory; the next tile's loads are issued;
+//      into one of two workgroup buffers (tiles alternate, so no barrier ends a tile); the next
+//      tile's loads are issued;
 //   2. S = Q K^T on the matrices (Q stays in registers as A matrices for the whole loop), stored
 //      to the subgroup's scratch rows;
 //   3. softmax: two invocations per row, each over half the tile's keys (one shuffle joins
 //      them). The row keeps a reference max m and rescales its output only when a score exceeds
 //      m + TAU (then m moves to the tile max): P = exp(S - m) <= e^TAU fits f16, and most tiles
-//      need no rescale. A workgroup-wide flag says whether any row moved its m; only then the
-//      output matrices go through the scratch rows to be scaled;
+//      need no rescale. A workgroup-wide flag says whether any row with mass moved its m; only
+//      then the output matrices go through the scratch rows to be scaled;
 //   4. O += P V on the matrices.
 // `coopLoad` reads column-major, `coopLoadT` row-major (element (r, c) at r * stride + c).
 //
-// The host specialises the lines marked `@spec` before compiling; the layout, masks and
-// metadata are those of flash_attn.wgsl.
+// The host puts shaders/include/common.wgsl (the layout, masks and metadata of every flash shader)
+// in place of its `@include` line and specialises the lines marked `@spec` before compiling.
 
 enable f16;
 enable wgpu_cooperative_matrix;
@@ -40,47 +41,21 @@ const DM: u32 = D / 16u; // matrices along d
 const KM: u32 = BK / 16u; // matrices along the keys of a tile
 const KS: u32 = D + 8u; // f16 row stride of the K, V (and Q) rows in `kvs`
 const SS: u32 = BK + 4u; // f32 row stride of the scratch rows
-const PS: u32 = BK + 8u; // f16 row stride of P
+const PS: u32 = BK + 4u; // f16 row stride of P (BK + 8 would not fit 48 KiB at D 128 with two K/V buffers)
+// K/V tile buffers: tile t in buffer t % 2, so that storing the next tile needs no barrier after
+// this tile's P V (2.4% faster than one buffer on an H100).
+const KVB: u32 = 2u;
 const LW: u32 = (BK * D4 + WG - 1u) / WG; // 8-byte words of K (and of V) a thread loads per tile
 const HK: u32 = BK / 2u; // keys of one softmax invocation per tile
 const TAU: f32 = 8.0;
-const NEG: f32 = -3.0e38;
-const MASKED: f32 = -3.3e38;
 
-const M_HQ: u32 = 1u;
-const M_HKV: u32 = 2u;
-const M_KIND: u32 = 3u;
-const M_SQ: u32 = 4u;
-const M_SK: u32 = 5u;
-const M_TQ: u32 = 6u;
-const M_BS: u32 = 7u;
-const M_MAXB: u32 = 8u;
-const M_CAUSAL: u32 = 9u;
-const M_WL: u32 = 10u;
-const M_WR: u32 = 11u;
-const M_CAP: u32 = 12u;
-const M_SCALE: u32 = 13u;
-const M_ALIBI: u32 = 14u;
-const M_LSE: u32 = 15u;
-const M_SPLITS: u32 = 16u;
-const M_OFF_CUQ: u32 = 17u;
-const M_OFF_CUK: u32 = 18u;
-const M_OFF_BT: u32 = 19u;
-const M_OFF_ALIBI: u32 = 20u;
-
-@group(0) @binding(0) var<storage, read> qb: array<vec2<u32>>;
-@group(0) @binding(1) var<storage, read> kb: array<vec2<u32>>;
-@group(0) @binding(2) var<storage, read> vb: array<vec2<u32>>;
-@group(0) @binding(3) var<storage, read_write> ob: array<vec2<u32>>;
-@group(0) @binding(4) var<storage, read_write> lseb: array<f32>;
-@group(0) @binding(5) var<storage, read> md: array<u32>;
-@group(0) @binding(6) var<storage, read_write> part_o: array<vec4<f32>>;
-@group(0) @binding(7) var<storage, read_write> part_lse: array<f32>;
+// @include common.wgsl
 
 // K tile (rows 0..BK) then V tile (rows BK..2BK); before the first tile, the Q tile (BQ <= 2BK).
-var<workgroup> kvs: array<f16, 2u * BK * KS>;
+var<workgroup> kvs: array<f16, KVB * 2u * BK * KS>;
 // Per subgroup 16 rows: S, then pieces of O. Then, at AL, per row this tile's rescale factor
-// (at the end 1 / l); at FLAG, 1 when some row moved its max this tile; at RANGE, the
+// (at the end 1 / l); at FLAG + the tile's parity, 1 when some row moved its max
+// this tile; at RANGE, the
 // workgroup's key range (bit patterns of two i32).
 //
 // Every workgroup value lives in one of these three arrays, on purpose: on an H200 (driver
@@ -89,7 +64,7 @@ var<workgroup> kvs: array<f16, 2u * BK * KS>;
 // plain loads and stores were right; `coop_operations_in_kernel_settings` checks it.
 const AL: u32 = NW * 16u * SS;
 const FLAG: u32 = AL + BQ;
-const RANGE: u32 = FLAG + 1u;
+const RANGE: u32 = FLAG + 2u;
 var<workgroup> ss: array<f32, NW * 16u * SS + BQ + 4u>;
 // Per subgroup 16 rows: P.
 var<workgroup> ps: array<f16, NW * 16u * PS>;
@@ -112,81 +87,6 @@ fn put4(i: u32, w: vec2<u32>) {
     kvs[i + 3u] = b.y;
 }
 
-struct Seq {
-    q0: u32,
-    ql: u32,
-    k0: u32,
-    kl: u32,
-}
-
-fn seq_of(b: u32) -> Seq {
-    let kind = md[M_KIND];
-    if (kind == 0u) {
-        let sq = md[M_SQ];
-        let sk = md[M_SK];
-        return Seq(b * sq, sq, b * sk, sk);
-    }
-    let cq = md[M_OFF_CUQ];
-    let ck = md[M_OFF_CUK];
-    let q0 = md[cq + b];
-    let ql = md[cq + b + 1u] - q0;
-    if (kind == 1u) {
-        let k0 = md[ck + b];
-        return Seq(q0, ql, k0, md[ck + b + 1u] - k0);
-    }
-    return Seq(q0, ql, 0u, md[ck + b]);
-}
-
-// Where the kv tokens of one sequence are, read from the metadata once per workgroup.
-struct Kv {
-    paged: bool,
-    pow2: bool, // block size a power of two: shift and mask instead of a division
-    sh: u32,
-    bs: u32,
-    bt: u32, // first block-table entry of the sequence in md
-    k0: u32,
-}
-
-fn kv_of(b: u32, s: Seq) -> Kv {
-    let bs = max(md[M_BS], 1u);
-    return Kv(md[M_KIND] == 2u, (bs & (bs - 1u)) == 0u, countTrailingZeros(bs), bs, md[M_OFF_BT] + b * md[M_MAXB], s.k0);
-}
-
-// Row of kv token `t` in k/v seen as [rows, Hkv, D].
-fn k_row(kvl: Kv, t: u32) -> u32 {
-    if (kvl.paged) {
-        if (kvl.pow2) {
-            return (md[kvl.bt + (t >> kvl.sh)] << kvl.sh) | (t & (kvl.bs - 1u));
-        }
-        return md[kvl.bt + t / kvl.bs] * kvl.bs + t % kvl.bs;
-    }
-    return kvl.k0 + t;
-}
-
-// [lo, hi) of keys visible to query i of the sequence; lo == hi when none.
-fn key_range(i: u32, s: Seq) -> vec2<i32> {
-    let ia = i32(i) + i32(s.kl) - i32(s.ql);
-    var lo = 0;
-    var hi = i32(s.kl);
-    if (md[M_CAUSAL] != 0u) {
-        hi = min(hi, ia + 1);
-    }
-    let wl = bitcast<i32>(md[M_WL]);
-    if (wl >= 0) {
-        lo = max(lo, ia - wl);
-    }
-    let wr = bitcast<i32>(md[M_WR]);
-    if (wr >= 0) {
-        hi = min(hi, ia + wr + 1);
-    }
-    if (hi <= lo) {
-        return vec2<i32>(0, 0);
-    }
-    return vec2<i32>(lo, hi);
-}
-
-
-
 // The K word (.xy) and V word (.zw) that thread slot `x` loads for the tile starting at key `j0`.
 fn kv_words(x: u32, j0: i32, end: i32, kvi: Kv, hkv: u32, kh: u32) -> vec4<u32> {
     // No branch: an index past the tile or the keys is clamped to a real word, and the caller
@@ -199,13 +99,13 @@ fn kv_words(x: u32, j0: i32, end: i32, kvi: Kv, hkv: u32, kh: u32) -> vec4<u32> 
 }
 
 // K^T block (d block n, keys of block kb2) as a column-major B matrix: (d, j) at kvs[j * KS + d].
-fn kt(kb2: u32, n: u32) -> coop_mat16x16<f16, B> {
-    return coopLoad<coop_mat16x16<f16, B>>(&kvs[kb2 * 16u * KS + n * 16u], KS);
+fn kt(kb: u32, kb2: u32, n: u32) -> coop_mat16x16<f16, B> {
+    return coopLoad<coop_mat16x16<f16, B>>(&kvs[kb + kb2 * 16u * KS + n * 16u], KS);
 }
 
 // V block (keys of block kb2, d block n) as a row-major B matrix: (j, d) at kvs[(BK + j) * KS + d].
-fn vt(kb2: u32, n: u32) -> coop_mat16x16<f16, B> {
-    return coopLoadT<coop_mat16x16<f16, B>>(&kvs[(BK + kb2 * 16u) * KS + n * 16u], KS);
+fn vt(kb: u32, kb2: u32, n: u32) -> coop_mat16x16<f16, B> {
+    return coopLoadT<coop_mat16x16<f16, B>>(&kvs[kb + (BK + kb2 * 16u) * KS + n * 16u], KS);
 }
 
 // An output matrix with each of its 16 rows scaled by the row's factor in `al`, through the
@@ -382,7 +282,12 @@ fn main(
 
     var m = NEG;
     var l = 0.0;
+    var parity = 0u;
     for (var j0 = start; j0 < end; j0 += i32(BK)) {
+        // This tile's K/V buffer and rescale flag (the previous tile's may still be read).
+        let kb = parity * 2u * BK * KS;
+        let flag = FLAG + parity;
+        parity ^= 1u;
         // 1. This tile into workgroup memory; the next tile's loads in flight.
         for (var it = 0u; it < LW; it++) {
             let x = tid + it * WG;
@@ -390,12 +295,12 @@ fn main(
                 let off = (x / D4) * KS + (x % D4) * 4u;
                 // Keys past the end: zero (their words were loaded from a clamped index).
                 let live = j0 + i32(x / D4) < end;
-                put4(off, select(vec2<u32>(0u), kw[it], live));
-                put4(BK * KS + off, select(vec2<u32>(0u), vec2<u32>(finite_h2(vw[it].x), finite_h2(vw[it].y)), live));
+                put4(kb + off, select(vec2<u32>(0u), kw[it], live));
+                put4(kb + BK * KS + off, select(vec2<u32>(0u), vec2<u32>(finite_h2(vw[it].x), finite_h2(vw[it].y)), live));
             }
         }
         if (tid == 0u) {
-            ss[FLAG] = 0.0;
+            ss[flag] = 0.0;
         }
         workgroupBarrier();
         let jn = j0 + i32(BK);
@@ -411,7 +316,7 @@ fn main(
             return;
         }
         if (DEBUG == 7u) {
-            coopStoreT(kt(0u, 0u), &ps[sg * 16u * PS], PS);
+            coopStoreT(kt(kb, 0u, 0u), &ps[sg * 16u * PS], PS);
             workgroupBarrier();
             let x = sg * 16u * PS + (lane / 2u) * PS + half * 8u;
             debug_put(s, i, h, hq, half, vec4<f32>(f32(ps[x]), f32(ps[x + 1u]), f32(ps[x + 2u]), f32(ps[x + 3u])), vec4<f32>(f32(ps[x + 4u]), f32(ps[x + 5u]), f32(ps[x + 6u]), f32(ps[x + 7u])));
@@ -421,14 +326,14 @@ fn main(
         // 2. S = Q K^T. K^T as a column-major B matrix: element (d, j) at kvs[j * KS + d].
         for (var kb2 = 0u; kb2 < KM; kb2++) {
             var acc = coop_mat16x16<f32, C>();
-            acc = coopMultiplyAdd(q0, kt(kb2, 0u), acc);
-            if (DM > 1u) { acc = coopMultiplyAdd(q1, kt(kb2, 1u), acc); }
-            if (DM > 2u) { acc = coopMultiplyAdd(q2, kt(kb2, 2u), acc); }
-            if (DM > 3u) { acc = coopMultiplyAdd(q3, kt(kb2, 3u), acc); }
-            if (DM > 4u) { acc = coopMultiplyAdd(q4, kt(kb2, 4u), acc); }
-            if (DM > 5u) { acc = coopMultiplyAdd(q5, kt(kb2, 5u), acc); }
-            if (DM > 6u) { acc = coopMultiplyAdd(q6, kt(kb2, 6u), acc); }
-            if (DM > 7u) { acc = coopMultiplyAdd(q7, kt(kb2, 7u), acc); }
+            acc = coopMultiplyAdd(q0, kt(kb, kb2, 0u), acc);
+            if (DM > 1u) { acc = coopMultiplyAdd(q1, kt(kb, kb2, 1u), acc); }
+            if (DM > 2u) { acc = coopMultiplyAdd(q2, kt(kb, kb2, 2u), acc); }
+            if (DM > 3u) { acc = coopMultiplyAdd(q3, kt(kb, kb2, 3u), acc); }
+            if (DM > 4u) { acc = coopMultiplyAdd(q4, kt(kb, kb2, 4u), acc); }
+            if (DM > 5u) { acc = coopMultiplyAdd(q5, kt(kb, kb2, 5u), acc); }
+            if (DM > 6u) { acc = coopMultiplyAdd(q6, kt(kb, kb2, 6u), acc); }
+            if (DM > 7u) { acc = coopMultiplyAdd(q7, kt(kb, kb2, 7u), acc); }
             coopStoreT(acc, &ss[sg * 16u * SS + kb2 * 16u], SS);
         }
         workgroupBarrier();
@@ -466,11 +371,15 @@ fn main(
         var mt = max(max(mt4.x, mt4.y), max(mt4.z, mt4.w));
         mt = max(mt, subgroupShuffleXor(mt, 1u));
         var alpha = 1.0;
+        let lrow = l + subgroupShuffleXor(l, 1u);
         if (mt > m + TAU) {
             alpha = exp(m - mt);
             m = mt;
             // Every writer writes the same value; the read comes after a barrier.
-            ss[FLAG] = 1.0;
+            // A row with no mass yet has a zero output: nothing to rescale.
+            if (lrow > 0.0) {
+                ss[flag] = 1.0;
+            }
         }
         var sum4 = vec4<f32>(0.0);
         for (var n = 0u; n < HK / 4u; n++) {
@@ -488,7 +397,7 @@ fn main(
             ss[AL + r] = alpha;
         }
         // A barrier too: P and the factors are written.
-        let rescale = workgroupUniformLoad(&ss[FLAG]);
+        let rescale = workgroupUniformLoad(&ss[flag]);
         if (DEBUG == 3u) {
             let x = prow + half * 8u;
             debug_put(s, i, h, hq, half, vec4<f32>(f32(ps[x]), f32(ps[x + 1u]), f32(ps[x + 2u]), f32(ps[x + 3u])), vec4<f32>(f32(ps[x + 4u]), f32(ps[x + 5u]), f32(ps[x + 6u]), f32(ps[x + 7u])));
@@ -515,14 +424,14 @@ fn main(
         // 4. O += P V. V as a row-major B matrix: element (j, d) at kvs[(BK + j) * KS + d].
         for (var kb2 = 0u; kb2 < KM; kb2++) {
             let pa = coopLoadT<coop_mat16x16<f16, A>>(&ps[sg * 16u * PS + kb2 * 16u], PS);
-            o0 = coopMultiplyAdd(pa, vt(kb2, 0u), o0);
-            if (DM > 1u) { o1 = coopMultiplyAdd(pa, vt(kb2, 1u), o1); }
-            if (DM > 2u) { o2 = coopMultiplyAdd(pa, vt(kb2, 2u), o2); }
-            if (DM > 3u) { o3 = coopMultiplyAdd(pa, vt(kb2, 3u), o3); }
-            if (DM > 4u) { o4 = coopMultiplyAdd(pa, vt(kb2, 4u), o4); }
-            if (DM > 5u) { o5 = coopMultiplyAdd(pa, vt(kb2, 5u), o5); }
-            if (DM > 6u) { o6 = coopMultiplyAdd(pa, vt(kb2, 6u), o6); }
-            if (DM > 7u) { o7 = coopMultiplyAdd(pa, vt(kb2, 7u), o7); }
+            o0 = coopMultiplyAdd(pa, vt(kb, kb2, 0u), o0);
+            if (DM > 1u) { o1 = coopMultiplyAdd(pa, vt(kb, kb2, 1u), o1); }
+            if (DM > 2u) { o2 = coopMultiplyAdd(pa, vt(kb, kb2, 2u), o2); }
+            if (DM > 3u) { o3 = coopMultiplyAdd(pa, vt(kb, kb2, 3u), o3); }
+            if (DM > 4u) { o4 = coopMultiplyAdd(pa, vt(kb, kb2, 4u), o4); }
+            if (DM > 5u) { o5 = coopMultiplyAdd(pa, vt(kb, kb2, 5u), o5); }
+            if (DM > 6u) { o6 = coopMultiplyAdd(pa, vt(kb, kb2, 6u), o6); }
+            if (DM > 7u) { o7 = coopMultiplyAdd(pa, vt(kb, kb2, 7u), o7); }
         }
         if (DEBUG == 4u) {
             if (half == 0u) {
@@ -531,7 +440,8 @@ fn main(
             emit(o0, 0u, sg, lane, i0, s, h, hq, 0u, 1u);
             return;
         }
-        workgroupBarrier(); // the tile, S and P are consumed
+        // No barrier here: the next tile goes to the other K/V buffer and flag, and its S and P
+        // are written after its first barrier, which every reader of this tile's has passed.
     }
 
     // Epilogue: 1 / l per row, then O through the scratch rows, BK columns at a time.
@@ -543,26 +453,7 @@ fn main(
         }
         ss[AL + r] = inv;
         if (i < s.ql) {
-            let row = s.q0 + i;
-            if (splits == 1u) {
-                if (md[M_LSE] != 0u) {
-                    var lv = bitcast<f32>(0xff800000u); // -inf
-                    if (lt > 0.0) {
-                        lv = m + log(lt);
-                    }
-                    var li = h * md[M_TQ] + row;
-                    if (md[M_KIND] == 0u) {
-                        li = (b * hq + h) * md[M_SQ] + i;
-                    }
-                    lseb[li] = lv;
-                }
-            } else {
-                var lv = NEG;
-                if (lt > 0.0) {
-                    lv = m + log(lt);
-                }
-                part_lse[(split * md[M_TQ] + row) * hq + h] = lv;
-            }
+            put_lse(b, s, i, h, m, lt, split, splits);
         }
     }
     emit(o0, 0u, sg, lane, i0, s, h, hq, split, splits);

@@ -1,12 +1,20 @@
-//! CPU-only: every `shaders/*.wgsl` parses and validates with naga, as written and specialised
-//! for every dtype, a spread of head dims and every key tile the backend may pick. Needs no GPU.
+//! CPU-only: every `shaders/*.wgsl` parses and validates with naga, as written (with the shared
+//! text of `shaders/include/` in place) and specialised for every dtype, a spread of head dims and
+//! every key tile the backend may pick. Needs no GPU.
 
 use std::path::Path;
 
-/// The backend's `@spec` substitution, repeated here so this test needs no feature.
+/// The backend's `@include` expansion and `@spec` substitution, repeated here (includes read from
+/// shaders/include/) so this test needs no feature.
 fn specialize(src: &str, values: &[(&str, usize)]) -> String {
     let mut out = String::new();
     for line in src.lines() {
+        if let Some(name) = line.strip_prefix("// @include ") {
+            let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders/include").join(name.trim());
+            out.push_str(&std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())));
+            out.push('\n');
+            continue;
+        }
         match values.iter().find(|(n, _)| line.starts_with(&format!("const {n}: u32 =")) && line.contains("@spec")) {
             Some((n, v)) => out.push_str(&format!("const {n}: u32 = {v}u; // @spec")),
             None => out.push_str(line),
@@ -44,7 +52,8 @@ fn every_shader_validates_as_written() {
         "expected the flash and combine shaders, found {:?}",
         all.iter().map(|s| &s.0).collect::<Vec<_>>()
     );
-    let errors: Vec<String> = all.iter().filter_map(|(n, s)| validate(n, s).err()).collect();
+    // As written, with the shared text of shaders/include/ in place of the `@include` lines.
+    let errors: Vec<String> = all.iter().filter_map(|(n, s)| validate(n, &specialize(s, &[])).err()).collect();
     assert!(errors.is_empty(), "{}", errors.join("\n"));
 }
 
@@ -108,4 +117,19 @@ fn specialisation_replaces_only_marked_lines() {
     assert!(s.contains("const D: u32 = 64u;"));
     assert!(s.contains("const D4: u32 = D / 4u;"));
     assert!(s.contains("const DT: u32 = 0u;"), "an unmarked line was replaced");
+}
+
+#[test]
+fn every_include_is_used_and_leaves_no_directive() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("shaders/include");
+    let all = shaders();
+    for e in std::fs::read_dir(&dir).expect("shaders/include exists") {
+        let name = e.unwrap().file_name().to_string_lossy().into_owned();
+        let line = format!("// @include {name}");
+        assert!(all.iter().any(|(_, s)| s.lines().any(|l| l == line)), "no shader includes {name}");
+    }
+    for (n, s) in &all {
+        let left = specialize(s, &[]).lines().any(|l| l.starts_with("// @include "));
+        assert!(!left, "{n}: an include left after expansion");
+    }
 }

@@ -13,6 +13,11 @@ const FLASH_SRC: &str = include_str!("../../shaders/flash_attn.wgsl");
 const FLASH_MT_SRC: &str = include_str!("../../shaders/flash_attn_mt.wgsl");
 const FLASH_COOP_SRC: &str = include_str!("../../shaders/flash_attn_coop.wgsl");
 const COMBINE_SRC: &str = include_str!("../../shaders/combine.wgsl");
+/// Text the flash shaders share, put in place of their `// @include NAME` lines.
+const INCLUDES: [(&str, &str); 2] = [
+    ("common.wgsl", include_str!("../../shaders/include/common.wgsl")),
+    ("storage.wgsl", include_str!("../../shaders/include/storage.wgsl")),
+];
 
 /// Threads per workgroup of the combine pass.
 const COMBINE_WG: usize = 64;
@@ -120,11 +125,9 @@ fn wg_bytes(p: &Plan, d: usize, wpc: usize) -> usize {
         }
         // Q^T, K^T-then-V, P^T, and a vec4 per (key group, row group) for the row maxima and sums.
         Kernel::MicroTile => (p.bq * d + p.bk * d + p.bk * p.bq) * 4 + p.bk * p.bq,
-        // K and V tiles in f16 (rows padded by 8), each subgroup's f32 scratch rows (padded by
-        // 4) and f16 P rows (padded by 8), a factor per row, the flag and the key range.
-        Kernel::Coop => {
-            2 * p.bk * (d + 8) * 2 + p.nks * 16 * (p.bk + 4) * 4 + p.nks * 16 * (p.bk + 8) * 2 + p.bq * 4 + 16
-        }
+        // Two buffers of K and V tiles in f16 (rows padded by 8), each subgroup's f32 scratch rows
+        // and f16 P rows (both padded by 4), a factor per row, two flags and the key range.
+        Kernel::Coop => 2 * 2 * p.bk * (d + 8) * 2 + p.nks * 16 * (p.bk + 4) * (4 + 2) + p.bq * 4 + 16,
     }
 }
 
@@ -246,10 +249,18 @@ pub(crate) enum PipeKey {
     Combine(u32, usize),
 }
 
-/// Replace the value of each `const NAME: u32 = ...; // @spec` line.
+/// The shader's text with each `// @include NAME` line replaced by shaders/include/NAME and the
+/// value of each `const NAME: u32 = ...; // @spec` line replaced.
 pub(crate) fn specialize(src: &str, values: &[(&str, usize)]) -> String {
-    let mut out = String::with_capacity(src.len() + 64);
+    let mut out = String::with_capacity(src.len() + 8192);
     for line in src.lines() {
+        if let Some(name) = line.strip_prefix("// @include ") {
+            let text = INCLUDES.iter().find(|(n, _)| *n == name.trim()).map(|(_, t)| *t);
+            // The shaders are constants of this crate; `includes_resolve` tests every name.
+            out.push_str(text.unwrap_or_else(|| panic!("shaders/include/{name} is not embedded")));
+            out.push('\n');
+            continue;
+        }
         let hit =
             values.iter().find(|(name, _)| line.starts_with(&format!("const {name}: u32 =")) && line.contains("@spec"));
         match hit {
@@ -728,4 +739,33 @@ pub(crate) fn forward(
 
 fn bytemuck_words(w: &[u32]) -> &[u8] {
     bytemuck::cast_slice(w)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn validate(name: &str, src: &str) {
+        let module =
+            naga::front::wgsl::parse_str(src).unwrap_or_else(|e| panic!("{name}: parse: {}", e.emit_to_string(src)));
+        naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
+            .validate(&module)
+            .unwrap_or_else(|e| panic!("{name}: validate: {}", e.emit_to_string(src)));
+    }
+
+    #[test]
+    fn includes_resolve() {
+        // The text the host compiles: includes in place, one specialisation of each shader.
+        for (name, src) in [("flash_attn", FLASH_SRC), ("flash_attn_mt", FLASH_MT_SRC), ("combine", COMBINE_SRC)] {
+            let s = specialize(src, &[("D", 64), ("DT", 2)]);
+            assert!(!s.lines().any(|l| l.starts_with("// @include ")), "{name}");
+            validate(name, &s);
+        }
+        let s = coop_source(64, 4, 32);
+        assert!(!s.lines().any(|l| l.starts_with("// @include ")));
+        validate("flash_attn_coop", &s);
+        // Each shared text lands where it is asked for.
+        assert!(coop_source(64, 4, 32).contains("fn put_lse("));
+        assert!(specialize(FLASH_SRC, &[]).contains("fn store_o("));
+    }
 }
