@@ -314,9 +314,9 @@ fn summary(isa: &str) {
         rayon::current_num_threads()
     );
     println!(
-        "| case (B x H x S x D / dtype / mask) | attnkit ms | GFLOP/s | FMA peak GFLOP/s | of FMA peak | candle matmul ms | speedup | candle cpu_flash ms | speedup | vs candle f16 matmul | causal / full time |"
+        "| case (B x H x S x D / dtype / mask) | attnkit ms | GFLOP/s | FMA peak GFLOP/s | of FMA peak | candle matmul ms | speedup | candle cpu_flash ms | speedup | vs candle f16 matmul | causal / full time | same, criterion's medians |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for c in cases() {
         let id = c.id();
         let a = median(&format!("il/{id}/attnkit"));
@@ -338,8 +338,14 @@ fn summary(isa: &str) {
             (true, Some(r)) => format!("{r:.3}"),
             _ => String::new(),
         };
+        // The same ratio from criterion's runs: the medians of many back-to-back calls of each.
+        let crit = match (c.causal, median(&format!("{id}/attnkit"))) {
+            (true, Some(tc)) => median(&format!("{}/attnkit", Case { causal: false, ..c }.id()))
+                .map_or(String::new(), |tf| format!("{:.3}", tc / tf)),
+            _ => String::new(),
+        };
         println!(
-            "| {id} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {cr} |",
+            "| {id} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {cr} | {crit} |",
             ms(a),
             gf.map_or("-".into(), |g| format!("{g:.1}")),
             peak.map_or("-".into(), |p| format!("{p:.0}")),
