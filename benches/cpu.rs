@@ -5,8 +5,8 @@
 //! `attention::cpu_flash::flash_attn`. After criterion's report, each case runs again as
 //! interleaved rounds (attnkit, its peers, the FMA peak, in turn, so load from elsewhere on a
 //! shared machine hits them alike; each timed call after an untimed one of its own, but candle's
-//! cpu_flash, at one to four seconds a call), and a table prints the medians: attnkit's GFLOP/s and fraction
-//! of the FMA peak of the same rounds, and the ratios. Decode (paged, Sq = 1) is compared with a
+//! cpu_flash, at one to four seconds a call), and a table prints the medians: attnkit's GFLOP/s
+//! and fraction of the FMA peak of the same rounds, and the ratios. Decode (paged, Sq = 1) is compared with a
 //! plain memory copy on the same machine.
 //!
 //! `cargo bench --features cpu --bench cpu -- --warm-up-time 1 --measurement-time 3`

@@ -19,8 +19,8 @@
 //   4. O += P V on the matrices.
 // `coopLoad` reads column-major, `coopLoadT` row-major (element (r, c) at r * stride + c).
 //
-// The host puts shaders/include/common.wgsl (the layout, masks and metadata of every flash shader)
-// in place of its `@include` line and specialises the lines marked `@spec` before compiling.
+// The host puts shaders/include/common.wgsl (the metadata layout, bindings and masks it shares
+// with flash_attn.wgsl) in place of its `@include` line and specialises the lines marked `@spec` before compiling.
 
 enable f16;
 enable wgpu_cooperative_matrix;
@@ -41,9 +41,10 @@ const DM: u32 = D / 16u; // matrices along d
 const KM: u32 = BK / 16u; // matrices along the keys of a tile
 const KS: u32 = D + 8u; // f16 row stride of the K, V (and Q) rows in `kvs`
 const SS: u32 = BK + 4u; // f32 row stride of the scratch rows
-const PS: u32 = BK + 4u; // f16 row stride of P (BK + 8 would not fit 48 KiB at D 128 with two K/V buffers)
+// f16 row stride of P (BK + 8 would not fit 48 KiB at D 128 with two K/V buffers).
+const PS: u32 = BK + 4u;
 // K/V tile buffers: tile t in buffer t % 2, so that storing the next tile needs no barrier after
-// this tile's P V (2.4% faster than one buffer on an H100).
+// this tile's P V (2-3% faster than one buffer on an H100).
 const KVB: u32 = 2u;
 const LW: u32 = (BK * D4 + WG - 1u) / WG; // 8-byte words of K (and of V) a thread loads per tile
 const HK: u32 = BK / 2u; // keys of one softmax invocation per tile
@@ -54,9 +55,8 @@ const TAU: f32 = 8.0;
 // K tile (rows 0..BK) then V tile (rows BK..2BK); before the first tile, the Q tile (BQ <= 2BK).
 var<workgroup> kvs: array<f16, KVB * 2u * BK * KS>;
 // Per subgroup 16 rows: S, then pieces of O. Then, at AL, per row this tile's rescale factor
-// (at the end 1 / l); at FLAG + the tile's parity, 1 when some row moved its max
-// this tile; at RANGE, the
-// workgroup's key range (bit patterns of two i32).
+// (at the end 1 / l); at FLAG + the tile's parity, 1 when some row moved its max this tile; at
+// RANGE, the workgroup's key range (bit patterns of two i32).
 //
 // Every workgroup value lives in one of these three arrays, on purpose: on an H200 (driver
 // 580) the cooperative loads and stores read and wrote at wrong places as soon as the shader
