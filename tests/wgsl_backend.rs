@@ -214,6 +214,52 @@ fn coop_kernel_matches_reference() {
     }
 }
 
+/// SPEC: a non-finite value at a visible key may spoil the rows that see it, no other. The
+/// cooperative-matrix kernel stages some tiles without zeroing non-finite values (those whose
+/// keys every row of the workgroup sees), so a NaN in v of key 100 of one 160-key sequence must
+/// stay out of the rows that do not see key 100: under a causal mask (queries 0..100) and a
+/// window of 16 keys either side (queries far from it). Keys 96..128 are a full tile of 32.
+#[test]
+fn coop_nan_in_a_visible_value_stays_in_its_rows() {
+    let Some(mut be) = be() else { return };
+    be.set_kernel(Some(Kernel::Coop));
+    if !coop_present(&be, "cooperative-matrix kernel (NaN in a value)") {
+        return;
+    }
+    let d = 64;
+    let windowed = Params { window_left: Some(16), window_right: Some(16), ..Params::default() };
+    for (name, params) in [("causal", Params { causal: true, ..Params::default() }), ("window 16/16", windowed)] {
+        let case = Case {
+            layout: LayoutKind::Dense,
+            dtype: DType::F16,
+            lens: vec![(160, 160)],
+            hkv: 1,
+            group: 2,
+            d,
+            params,
+            alibi: false,
+            block_size: 16,
+            lse: false,
+            seed: 11,
+        };
+        let mut built = case.build();
+        let mut v = built.v.to_f64_vec().unwrap();
+        v[100 * d + 3] = f64::NAN; // key 100, the one kv head, element 3
+        built.v = Tensor::from_f64(built.v.shape(), DType::F16, &v).unwrap();
+        let r = run_on(&be, &case, &built).unwrap();
+        for i in 0..160usize {
+            let sees = if params.causal { i >= 100 } else { i.abs_diff(100) <= 16 };
+            let row = &r.out[i * 2 * d..(i + 1) * 2 * d]; // both query heads of query i
+            if !sees {
+                assert!(
+                    row.iter().all(|x| x.is_finite()),
+                    "{name}: query {i} does not see key 100 but got a non-finite value"
+                );
+            }
+        }
+    }
+}
+
 const COOP_PROBE: &str = r#"
 enable f16;
 enable wgpu_cooperative_matrix;
