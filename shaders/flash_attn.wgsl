@@ -67,6 +67,7 @@ struct Loads {
 
 fn tile_loads(kvi: Kv, hkv: u32, kh: u32, j0: i32, end: i32, tid: u32, slot: u32, c: u32) -> Loads {
     var ld: Loads;
+    // @unroll
     for (var it = 0u; it < KLD; it++) {
         let x = tid + it * WG;
         let j = j0 + i32(x / KW);
@@ -76,6 +77,7 @@ fn tile_loads(kvi: Kv, hkv: u32, kh: u32, j0: i32, end: i32, tid: u32, slot: u32
         }
         ld.k[it] = w;
     }
+    // @unroll
     for (var n = 0u; n < KPS; n++) {
         let j = j0 + i32(slot + n * NKS);
         var w = vec4<u32>(0u);
@@ -121,6 +123,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     // Union of the visible key intervals of the tile's rows (computed alike by every thread).
     var lo_u = i32(s.kl);
     var hi_u = 0;
+    // @unroll
     for (var rr = 0u; rr < BQ; rr++) {
         let p = p0 + rr;
         if (p < nrows) {
@@ -179,6 +182,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var m: array<f32, BQ>;
     var l: array<f32, BQ>;
     var o: array<vec4<f32>, BQ>;
+    // @unroll
     for (var r = 0u; r < BQ; r++) {
         m[r] = NEG;
         l[r] = 0.0;
@@ -199,6 +203,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         // 1. The K tile into workgroup memory (the previous tile's scores were read before the
         //    last barrier); this tile's V elements kept before the next tile's loads replace them.
+        // @unroll
         for (var it = 0u; it < KLD; it++) {
             let x = tid + it * WG;
             if (x < BK * KW) {
@@ -219,9 +224,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 let jj = u % BK;
                 let pt = u / BK;
                 var acc: array<f32, BQ>;
+                // @unroll
                 for (var r = 0u; r < BQ; r++) {
                     acc[r] = 0.0;
                 }
+                // @unroll
                 for (var ci = 0u; ci < CPP; ci++) {
                     let cc = pt * CPP + ci;
                     if (cc < D4) {
@@ -230,11 +237,13 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                             kw = vec4<u32>(kw.xy, ks[jj * KWS + cc * WPC + 1u]);
                         }
                         let kv = widen(kw);
+                        // @unroll
                         for (var r = 0u; r < BQ; r++) {
                             acc[r] += dot(qs[r * D4 + cc], kv);
                         }
                     }
                 }
+                // @unroll
                 for (var r = 0u; r < BQ; r++) {
                     sc[sb + (pt * BQ + r) * BK + jj] = acc[r];
                 }
@@ -243,13 +252,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         workgroupBarrier(); // the scores are written; the K tile is consumed
 
         // 3. Online softmax and O += P V for this thread's slot and column.
+        // @unroll
         for (var r = 0u; r < BQ; r++) {
             let ri = rinfo[r];
             var xs: array<f32, KPS>;
             var mt = NEG;
+            // @unroll
             for (var n = 0u; n < KPS; n++) {
                 let jj = slot + n * NKS;
                 var raw = 0.0;
+                // @unroll
                 for (var pt = 0u; pt < TPK; pt++) {
                     raw += sc[sb + (pt * BQ + r) * BK + jj];
                 }
@@ -261,6 +273,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let alpha = exp(m[r] - m_new);
             var acc = o[r] * alpha;
             var sum = l[r] * alpha;
+            // @unroll
             for (var n = 0u; n < KPS; n++) {
                 let x = xs[n];
                 let pj = select(0.0, exp(x - m_new), x > MASKED);
@@ -278,6 +291,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     // summed into qs (free now) slot by slot, and the last slot writes the rows out.
     workgroupBarrier();
     if (c == 0u) {
+        // @unroll
         for (var r = 0u; r < BQ; r++) {
             ml[slot * BQ + r] = vec2<f32>(m[r], l[r]);
         }
@@ -285,12 +299,15 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     workgroupBarrier();
     var mx: array<f32, BQ>;
     var lt: array<f32, BQ>;
+    // @unroll
     for (var r = 0u; r < BQ; r++) {
         var mm = NEG;
+        // @unroll
         for (var t = 0u; t < NKS; t++) {
             mm = max(mm, ml[t * BQ + r].x);
         }
         var ll = 0.0;
+        // @unroll
         for (var t = 0u; t < NKS; t++) {
             let e = ml[t * BQ + r];
             ll += e.y * exp(e.x - mm);
@@ -306,6 +323,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     for (var t = 0u; t + 1u < NKS; t++) {
         if (slot == t) {
+            // @unroll
             for (var r = 0u; r < BQ; r++) {
                 if (t == 0u) {
                     qs[r * D4 + c] = o[r];
@@ -319,6 +337,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     if (slot != NKS - 1u) {
         return;
     }
+    // @unroll
     for (var r = 0u; r < BQ; r++) {
         let p = p0 + r;
         // No `break`: a loop of constant trip count unrolls, and `o` stays in registers.

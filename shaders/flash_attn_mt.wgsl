@@ -320,8 +320,10 @@ fn kt_at(d: u32, kg: u32) -> u32 {
     return d * KG + (kg ^ ((d / 4u) & (KG - 1u)));
 }
 
-// Per-thread state lives in named vectors, and per-thread arrays are indexed only by counters of
-// constant-trip loops, so that nothing in the shader asks for them to live in local memory.
+// Per-thread state lives in named vectors, and per-thread arrays (the output rows, the K/V words
+// in flight) are indexed only by counters of loops marked `// @unroll`, which the host unrolls
+// (backends/wgpu/unroll.rs): left as loops, an H200's driver kept all three kinds of array in
+// local memory (768 bytes a thread, 242-254 registers, by its pipeline statistics).
 @compute @workgroup_size(WG)
 fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
     let splits = md[M_SPLITS];
@@ -399,6 +401,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     var o1: array<vec4<f32>, NV>;
     var o2: array<vec4<f32>, NV>;
     var o3: array<vec4<f32>, NV>;
+    // @unroll
     for (var n = 0u; n < NV; n++) {
         o0[n] = vec4<f32>(0.0);
         o1[n] = vec4<f32>(0.0);
@@ -413,12 +416,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     // 4% faster and f32 22% slower on an H200.)
     var kreg: array<vec4<u32>, KI * 4u>;
     var vreg: array<vec4<u32>, VI>;
-    for (var it = 0u; it < select(0u, KI, start < end); it++) {
-        let x = tid + it * WG;
-        if (x < KG * D4) {
-            for (var kj = 0u; kj < 4u; kj++) {
-                let j = min(start + i32((x / D4) * 4u + kj), end - 1);
-                kreg[it * 4u + kj] = raw_k((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
+    if (start < end) {
+        // @unroll
+        for (var it = 0u; it < KI; it++) {
+            let x = tid + it * WG;
+            if (x < KG * D4) {
+                // @unroll
+                for (var kj = 0u; kj < 4u; kj++) {
+                    let j = min(start + i32((x / D4) * 4u + kj), end - 1);
+                    kreg[it * 4u + kj] = raw_k((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
+                }
             }
         }
     }
@@ -426,6 +433,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     for (var j0 = start; j0 < end; j0 += i32(BK)) {
         workgroupBarrier(); // kv, pt and red are free (and the Q tile is written)
         // K tile, transposed and swizzled: kv[kt_at(d, key group)].
+        // @unroll
         for (var it = 0u; it < KI; it++) {
             let x = tid + it * WG;
             if (x < KG * D4) {
@@ -443,6 +451,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         workgroupBarrier();
         // This tile's V, in flight during q.k.
+        // @unroll
         for (var it = 0u; it < VI; it++) {
             let x = tid + it * WG;
             if (x < BK * D4) {
@@ -492,6 +501,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         workgroupBarrier(); // the block maxima are written; K is consumed
 
         // V tile, row-major, into the same buffer (keys past the end zeroed).
+        // @unroll
         for (var it = 0u; it < VI; it++) {
             let x = tid + it * WG;
             if (x < BK * D4) {
@@ -523,9 +533,11 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         // The next tile's K, in flight during p.v.
         let jn = j0 + i32(BK);
         if (jn < end) {
+            // @unroll
             for (var it = 0u; it < KI; it++) {
                 let x = tid + it * WG;
                 if (x < KG * D4) {
+                    // @unroll
                     for (var kj = 0u; kj < 4u; kj++) {
                         let j = min(jn + i32((x / D4) * 4u + kj), end - 1);
                         kreg[it * 4u + kj] = raw_k((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
@@ -535,6 +547,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
 
         // O block += P V: rows 4ty.., vec4 columns tx, tx + KG, ...
+        // @unroll
         for (var n = 0u; n < NV; n++) {
             o0[n] *= al.x;
             o1[n] *= al.y;
@@ -543,6 +556,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         for (var jj = 0u; jj < BK; jj++) {
             let pv = pt[pt_at(jj, ty)];
+            // @unroll
             for (var n = 0u; n < NV; n++) {
                 let c = tx + n * KG;
                 if (c < D4) {
@@ -572,6 +586,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     let base2 = out_base(pr + 2u, g, s, kh, split, splits);
     let base3 = out_base(pr + 3u, g, s, kh, split, splits);
     // No `break`: a loop of constant trip count unrolls, and `o` stays in registers.
+    // @unroll
     for (var n = 0u; n < NV; n++) {
         let c = tx + n * KG;
         if (c < D4) {

@@ -270,3 +270,204 @@ fn sweep_decode() {
     let t = time_each(&refs[..1], &tiny, &mut rng).expect("timing")[0];
     eprintln!("per-call floor ({}): {:.3} ms", tiny.name(), t * 1e3);
 }
+
+/// What the Vulkan driver says of each kernel the bench times: its statistics (on NVIDIA the
+/// register count and code size) and any internal representation it offers, through
+/// `VK_KHR_pipeline_executable_properties`, on the first non-CPU Vulkan device (else the first).
+/// The modules are naga's SPIR-V of the kernels ([`attnkit::wgpu::bench_kernel_modules`]).
+/// `ATTNKIT_STATS_DIR=dir` writes each internal representation to a file there. Fails when the
+/// device lacks the extension or a pipeline cannot be built.
+#[test]
+#[ignore]
+fn kernel_statistics() {
+    use ash::vk;
+    use std::ffi::CStr;
+    let modules = attnkit::wgpu::bench_kernel_modules().expect("kernel modules");
+    let out_dir = std::env::var("ATTNKIT_STATS_DIR").ok();
+    // SAFETY: every Vulkan call below follows its valid-usage rules: handles are created here,
+    // used only while alive and destroyed in reverse order, every create-info is built with
+    // ash's builders (lengths and pointers from live slices), and the extension's entry points
+    // are used only after the device was created with the extension enabled.
+    unsafe {
+        let entry = ash::Entry::load().expect("the Vulkan loader (libvulkan.so.1)");
+        let app = vk::ApplicationInfo::default().api_version(vk::API_VERSION_1_3);
+        let instance = entry.create_instance(&vk::InstanceCreateInfo::default().application_info(&app), None).unwrap();
+        let pds = instance.enumerate_physical_devices().unwrap();
+        let pd = *pds
+            .iter()
+            .find(|&&p| instance.get_physical_device_properties(p).device_type != vk::PhysicalDeviceType::CPU)
+            .unwrap_or_else(|| pds.first().expect("no Vulkan device"));
+        let props = instance.get_physical_device_properties(pd);
+        eprintln!(
+            "device: {} (driver {:#x}, api {}.{})",
+            props.device_name_as_c_str().unwrap().to_string_lossy(),
+            props.driver_version,
+            vk::api_version_major(props.api_version),
+            vk::api_version_minor(props.api_version)
+        );
+        let exts: Vec<String> = instance
+            .enumerate_device_extension_properties(pd)
+            .unwrap()
+            .iter()
+            .map(|e| e.extension_name_as_c_str().unwrap().to_string_lossy().into_owned())
+            .collect();
+        let has = |n: &CStr| exts.iter().any(|e| e.as_bytes() == n.to_bytes());
+        let pep = ash::khr::pipeline_executable_properties::NAME;
+        // Without the extension the pipelines are still built (so that a software driver checks
+        // the modules), and the test fails at the end.
+        let stats = has(pep);
+        let coop = has(ash::khr::cooperative_matrix::NAME);
+        let mut names = vec![];
+        if stats {
+            names.push(pep.as_ptr());
+        }
+        if coop {
+            names.push(ash::khr::cooperative_matrix::NAME.as_ptr());
+        }
+        // Every feature the device has is enabled (the modules use f16, 8/16-bit storage,
+        // subgroups, the Vulkan memory model and cooperative matrices).
+        let mut f11 = vk::PhysicalDeviceVulkan11Features::default();
+        let mut f12 = vk::PhysicalDeviceVulkan12Features::default();
+        let mut f13 = vk::PhysicalDeviceVulkan13Features::default();
+        let mut fpe = vk::PhysicalDevicePipelineExecutablePropertiesFeaturesKHR::default();
+        let mut fcm = vk::PhysicalDeviceCooperativeMatrixFeaturesKHR::default();
+        let mut f2 = vk::PhysicalDeviceFeatures2::default().push_next(&mut f11).push_next(&mut f12).push_next(&mut f13);
+        if stats {
+            f2 = f2.push_next(&mut fpe);
+        }
+        if coop {
+            f2 = f2.push_next(&mut fcm);
+        }
+        instance.get_physical_device_features2(pd, &mut f2);
+        let family = instance
+            .get_physical_device_queue_family_properties(pd)
+            .iter()
+            .position(|q| q.queue_flags.contains(vk::QueueFlags::COMPUTE))
+            .expect("a compute queue") as u32;
+        let prio = [1.0f32];
+        let queues = [vk::DeviceQueueCreateInfo::default().queue_family_index(family).queue_priorities(&prio)];
+        let info = vk::DeviceCreateInfo::default()
+            .queue_create_infos(&queues)
+            .enabled_extension_names(&names)
+            .push_next(&mut f2);
+        let device = instance.create_device(pd, &info, None).unwrap();
+        let pe = ash::khr::pipeline_executable_properties::Device::new(&instance, &device);
+        // A superset of every kernel's bindings: 8 storage buffers.
+        let bindings: Vec<_> = (0..8)
+            .map(|i| {
+                vk::DescriptorSetLayoutBinding::default()
+                    .binding(i)
+                    .descriptor_type(vk::DescriptorType::STORAGE_BUFFER)
+                    .descriptor_count(1)
+                    .stage_flags(vk::ShaderStageFlags::COMPUTE)
+            })
+            .collect();
+        let dsl = device
+            .create_descriptor_set_layout(&vk::DescriptorSetLayoutCreateInfo::default().bindings(&bindings), None)
+            .unwrap();
+        let layouts = [dsl];
+        let layout = device
+            .create_pipeline_layout(&vk::PipelineLayoutCreateInfo::default().set_layouts(&layouts), None)
+            .unwrap();
+        let mut built = 0;
+        for (name, words) in &modules {
+            if name.starts_with("coop") && !coop {
+                eprintln!("{name}: skipped, no cooperative matrices on this device");
+                continue;
+            }
+            let module = device.create_shader_module(&vk::ShaderModuleCreateInfo::default().code(words), None).unwrap();
+            let stage = vk::PipelineShaderStageCreateInfo::default()
+                .stage(vk::ShaderStageFlags::COMPUTE)
+                .module(module)
+                .name(c"main");
+            let flags = if stats {
+                vk::PipelineCreateFlags::CAPTURE_STATISTICS_KHR
+                    | vk::PipelineCreateFlags::CAPTURE_INTERNAL_REPRESENTATIONS_KHR
+            } else {
+                vk::PipelineCreateFlags::empty()
+            };
+            let ci = [vk::ComputePipelineCreateInfo::default().flags(flags).stage(stage).layout(layout)];
+            let pipeline =
+                device.create_compute_pipelines(vk::PipelineCache::null(), &ci, None).map_err(|(_, e)| e).unwrap()[0];
+            built += 1;
+            if !stats {
+                eprintln!("{name}: pipeline built ({} words)", words.len());
+                device.destroy_pipeline(pipeline, None);
+                device.destroy_shader_module(module, None);
+                continue;
+            }
+            let execs =
+                pe.get_pipeline_executable_properties(&vk::PipelineInfoKHR::default().pipeline(pipeline)).unwrap();
+            for (i, ex) in execs.iter().enumerate() {
+                let info = vk::PipelineExecutableInfoKHR::default().pipeline(pipeline).executable_index(i as u32);
+                let stats = pe.get_pipeline_executable_statistics(&info).unwrap();
+                let text: Vec<String> = stats
+                    .iter()
+                    .map(|s| {
+                        let stat = s.name_as_c_str().unwrap().to_string_lossy();
+                        let v = match s.format {
+                            vk::PipelineExecutableStatisticFormatKHR::BOOL32 => format!("{}", s.value.b32),
+                            vk::PipelineExecutableStatisticFormatKHR::INT64 => format!("{}", s.value.i64),
+                            // NVIDIA's driver (580) reports "Local Memory Size" as 2^36 plus the
+                            // bytes a thread: the low word is the figure.
+                            vk::PipelineExecutableStatisticFormatKHR::UINT64 if s.value.u64 >> 32 != 0 => {
+                                format!("{} (raw {:#x})", s.value.u64 & 0xffff_ffff, s.value.u64)
+                            }
+                            vk::PipelineExecutableStatisticFormatKHR::UINT64 => format!("{}", s.value.u64),
+                            _ => format!("{}", s.value.f64),
+                        };
+                        format!("{stat} = {v}")
+                    })
+                    .collect();
+                eprintln!(
+                    "{name} [{} / subgroup {}]: {}",
+                    ex.name_as_c_str().unwrap().to_string_lossy(),
+                    ex.subgroup_size,
+                    text.join(", ")
+                );
+                // Internal representations: count, sizes, then the data.
+                let fp = pe.fp();
+                let mut n = 0u32;
+                let _ = (fp.get_pipeline_executable_internal_representations_khr)(
+                    device.handle(),
+                    &info,
+                    &mut n,
+                    std::ptr::null_mut(),
+                );
+                let mut reps = vec![vk::PipelineExecutableInternalRepresentationKHR::default(); n as usize];
+                let _ = (fp.get_pipeline_executable_internal_representations_khr)(
+                    device.handle(),
+                    &info,
+                    &mut n,
+                    reps.as_mut_ptr(),
+                );
+                let mut bufs: Vec<Vec<u8>> = reps.iter().map(|r| vec![0u8; r.data_size]).collect();
+                for (r, b) in reps.iter_mut().zip(bufs.iter_mut()) {
+                    r.p_data = b.as_mut_ptr().cast();
+                }
+                let _ = (fp.get_pipeline_executable_internal_representations_khr)(
+                    device.handle(),
+                    &info,
+                    &mut n,
+                    reps.as_mut_ptr(),
+                );
+                for (r, b) in reps.iter().zip(&bufs) {
+                    let rname = r.name_as_c_str().map(|c| c.to_string_lossy().into_owned()).unwrap_or_default();
+                    eprintln!("  representation {rname}: {} bytes, text {}", b.len(), r.is_text);
+                    if let Some(dir) = &out_dir {
+                        let file = format!("{name} {rname}").replace(|c: char| !c.is_ascii_alphanumeric(), "_");
+                        std::fs::write(format!("{dir}/{file}.txt"), b).unwrap();
+                    }
+                }
+            }
+            device.destroy_pipeline(pipeline, None);
+            device.destroy_shader_module(module, None);
+        }
+        device.destroy_pipeline_layout(layout, None);
+        device.destroy_descriptor_set_layout(dsl, None);
+        device.destroy_device(None);
+        instance.destroy_instance(None);
+        assert!(built > 0, "no pipeline was built");
+        assert!(stats, "the device lacks {pep:?}: no statistics");
+    }
+}

@@ -4,8 +4,13 @@
 
 use std::path::Path;
 
+/// The backend's host-side loop unrolling (the same file).
+#[path = "../backends/wgpu/unroll.rs"]
+#[allow(dead_code)]
+mod unroll;
+
 /// The backend's `@include` expansion and `@spec` substitution, repeated here (includes read from
-/// shaders/include/) so this test needs no feature.
+/// shaders/include/) so this test needs no feature, then its loop unrolling.
 fn specialize(src: &str, values: &[(&str, usize)]) -> String {
     let mut out = String::new();
     for line in src.lines() {
@@ -21,7 +26,7 @@ fn specialize(src: &str, values: &[(&str, usize)]) -> String {
         }
         out.push('\n');
     }
-    out
+    unroll::unroll(&out).unwrap_or_else(|e| panic!("unroll: {e}"))
 }
 
 fn validate(name: &str, src: &str) -> Result<(), String> {

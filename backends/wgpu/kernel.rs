@@ -249,8 +249,9 @@ pub(crate) enum PipeKey {
     Combine(u32, usize),
 }
 
-/// The shader's text with each `// @include NAME` line replaced by shaders/include/NAME and the
-/// value of each `const NAME: u32 = ...; // @spec` line replaced.
+/// The shader's text with each `// @include NAME` line replaced by shaders/include/NAME, the
+/// value of each `const NAME: u32 = ...; // @spec` line replaced, and the loops marked
+/// `// @unroll` unrolled (see unroll.rs).
 pub(crate) fn specialize(src: &str, values: &[(&str, usize)]) -> String {
     let mut out = String::with_capacity(src.len() + 8192);
     for line in src.lines() {
@@ -269,7 +270,51 @@ pub(crate) fn specialize(src: &str, values: &[(&str, usize)]) -> String {
         }
         out.push('\n');
     }
-    out
+    // `ATTNKIT_WGPU_UNROLL=0` leaves the marked loops to the driver (the same meaning), for A/B
+    // timing.
+    if std::env::var("ATTNKIT_WGPU_UNROLL").is_ok_and(|v| v == "0") {
+        return out;
+    }
+    // The same: our own shaders, and `wgsl_shaders` expands every specialisation of each.
+    super::unroll::unroll(&out).unwrap_or_else(|e| panic!("a `// @unroll` loop of an attnkit shader: {e}"))
+}
+
+/// The SPIR-V of the kernels that `wgsl_bench bench` times (head dim 128, 48 KiB of workgroup
+/// memory), each named by kernel, dtype and tile, written by naga as for the cooperative-matrix
+/// kernel (the portable kernels go through wgpu's own naga call at run time, with the same
+/// bounds-check policy): for reading a driver's statistics of each (registers, spills) in
+/// `wgsl_bench kernel_statistics`. Diagnosis only.
+pub(crate) fn bench_modules() -> Result<Vec<(String, Vec<u32>)>> {
+    let (d, limit) = (128, 48 * 1024);
+    let mut out = Vec::new();
+    for dt in [DType::F32, DType::F16, DType::BF16] {
+        if let Some(p) = mt_plan(d, limit) {
+            let src = specialize(FLASH_MT_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk)]);
+            out.push((format!("micro-tile {dt} {}x{}", p.bq, p.bk), super::spirv::coop_module(&src)?));
+        }
+    }
+    for rows in [1, 4] {
+        let wpc = words_per_col(DType::F16);
+        if let Some(p) = rows_plan(d, wpc, rows, limit, &RowsTuning::default()) {
+            let values = [
+                ("D", d),
+                ("DT", DType::F16 as usize),
+                ("BQ", p.bq),
+                ("BK", p.bk),
+                ("NKS", p.nks),
+                ("PF", p.pf),
+                ("TPK", p.tpk),
+            ];
+            let name = format!("rows f16 bq{} bk{} nks{} tpk{}", p.bq, p.bk, p.nks, p.tpk);
+            out.push((name, super::spirv::coop_module(&specialize(FLASH_SRC, &values))?));
+        }
+    }
+    for (nw, bk) in [(4, 32), (2, 32)] {
+        out.push((format!("coop f16 {nw}x{bk}"), super::spirv::coop_module(&coop_source(d, nw, bk))?));
+    }
+    let combine = specialize(COMBINE_SRC, &[("D", d), ("DT", DType::F16 as usize)]);
+    out.push(("combine f16".to_string(), super::spirv::coop_module(&combine)?));
+    Ok(out)
 }
 
 /// The cooperative-matrix kernel's WGSL for head dim `d`, `nw` subgroups and `bk` keys a tile.

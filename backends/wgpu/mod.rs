@@ -19,8 +19,16 @@
 
 mod kernel;
 mod spirv;
+mod unroll;
 
 pub use kernel::{Kernel, RowsTuning};
+
+/// The SPIR-V of the kernels the bench times, named; see `tests/wgsl_bench.rs`
+/// (`kernel_statistics`). Diagnosis only, not a stable interface.
+#[doc(hidden)]
+pub fn bench_kernel_modules() -> Result<Vec<(String, Vec<u32>)>> {
+    kernel::bench_modules()
+}
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
