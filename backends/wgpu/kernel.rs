@@ -289,8 +289,8 @@ pub(crate) fn bench_modules() -> Result<Vec<(String, Vec<u32>)>> {
     let mut out = Vec::new();
     for dt in [DType::F32, DType::F16, DType::BF16] {
         if let Some(p) = mt_plan(d, limit) {
-            let src = specialize(FLASH_MT_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk)]);
-            out.push((format!("micro-tile {dt} {}x{}", p.bq, p.bk), super::spirv::coop_module(&src)?));
+            let src = mt_source(d, dt as u32, &p);
+            out.push((format!("micro-tile {dt} {}x{}", p.bq, p.bk), super::spirv::mt_module(&src)?));
         }
     }
     for rows in [1, 4] {
@@ -317,6 +317,15 @@ pub(crate) fn bench_modules() -> Result<Vec<(String, Vec<u32>)>> {
     Ok(out)
 }
 
+/// The micro-tile kernel's WGSL for storage dtype code `dt`, head dim `d` and plan `p`.
+/// `ATTNKIT_WGPU_MT_PF=0` (tiles loaded just before their store, not a phase ahead) and
+/// `ATTNKIT_WGPU_MT_FMA=1` (fma() in the inner loops) are for A/B timing; the results are the same.
+pub(crate) fn mt_source(d: usize, dt: u32, p: &Plan) -> String {
+    let knob = |name: &str, default: usize| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
+    let (pf, fm) = (knob("ATTNKIT_WGPU_MT_PF", 1).min(1), knob("ATTNKIT_WGPU_MT_FMA", 0).min(1));
+    specialize(FLASH_MT_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk), ("PF", pf), ("FM", fm)])
+}
+
 /// The cooperative-matrix kernel's WGSL for head dim `d`, `nw` subgroups and `bk` keys a tile.
 pub(crate) fn coop_source(d: usize, nw: usize, bk: usize) -> String {
     specialize(FLASH_COOP_SRC, &[("D", d), ("NW", nw), ("BK", bk), ("DEBUG", super::coop_settings().debug)])
@@ -329,6 +338,8 @@ fn wgsl_pipeline(device: &::wgpu::Device, src: String, label: &str, loop_boundin
     // unroll the constant-trip loops and keep the per-thread arrays they index in registers.
     let mut checks = ::wgpu::ShaderRuntimeChecks::checked();
     checks.force_loop_bounding = loop_bounding;
+    // `ATTNKIT_WGPU_INDEX_CHECKS=0`: no clamp on array indices either (A/B timing only).
+    checks.bounds_checks = super::spirv::index_checks();
     // SAFETY: `force_loop_bounding = false` requires that no shader can loop forever. Every
     // loop in shaders/*.wgsl is a counted `for` whose counter only increases, by a positive
     // step, toward a bound fixed before the loop starts (a constant, or a value read from the
@@ -360,6 +371,36 @@ fn wgsl_pipeline(device: &::wgpu::Device, src: String, label: &str, loop_boundin
 /// (a pass-through module carries no reflection).
 fn coop_pipeline(device: &::wgpu::Device, src: &str) -> Result<::wgpu::ComputePipeline> {
     let words = super::spirv::coop_module(src)?;
+    // SAFETY: the words are a module naga wrote from our own WGSL after validating it, with
+    // bounds checks on every buffer and array index (`Restrict`), changed afterwards only by
+    // memory-operand and barrier-semantics flags that the Vulkan memory model (which the module
+    // declares) defines; its bindings are the flash kernels' eight, and the device has the
+    // cooperative-matrix, f16 and subgroup features the module uses (`COOP_FEATURES`).
+    Ok(unsafe { passthrough_pipeline(device, words, "attnkit flash_attn_coop") })
+}
+
+/// The micro-tile kernel's pipeline from its SPIR-V with unclamped array indices
+/// ([`super::spirv::mt_module`]), on a device with pass-through shaders.
+fn mt_pipeline(device: &::wgpu::Device, src: &str) -> Result<::wgpu::ComputePipeline> {
+    let words = super::spirv::mt_module(src)?;
+    // SAFETY: naga wrote the words from our own WGSL after validating it; every storage-buffer
+    // access is clamped to its buffer (`Restrict`); the array indices are not, and every one of
+    // them is in range by construction (flash_attn_mt.wgsl: each workgroup and per-thread array
+    // index is a product of loop counters and thread coordinates below the array's extent, the
+    // XOR swizzles stay inside a power-of-two group count, and `wgsl_shaders` plus the
+    // conformance suite run this path); its bindings are the flash kernels' eight; the module
+    // uses no feature beyond core Vulkan 1.1 compute.
+    Ok(unsafe { passthrough_pipeline(device, words, "attnkit flash_attn_mt") })
+}
+
+/// A pipeline from SPIR-V words with the flash kernels' bind group layout spelled out (a
+/// pass-through module carries no reflection).
+///
+/// # Safety
+/// `words` is a valid compute module whose entry point `main` uses exactly the flash kernels'
+/// bindings (q, k, v, out, lse, metadata, split outputs and lse, in that order) and only
+/// features the device has, and whose memory accesses stay in bounds.
+unsafe fn passthrough_pipeline(device: &::wgpu::Device, words: Vec<u32>, label: &str) -> ::wgpu::ComputePipeline {
     let entry = |binding: u32, read_only: bool| ::wgpu::BindGroupLayoutEntry {
         binding,
         visibility: ::wgpu::ShaderStages::COMPUTE,
@@ -370,26 +411,20 @@ fn coop_pipeline(device: &::wgpu::Device, src: &str) -> Result<::wgpu::ComputePi
         },
         count: None,
     };
-    // The bindings of flash_attn_coop.wgsl: q, k, v, out, lse, metadata, split outputs and lse.
+    // The flash kernels' bindings: q, k, v, out, lse, metadata, split outputs and lse.
     let read_only = [true, true, true, false, false, true, false, false];
     let entries: Vec<_> = read_only.iter().enumerate().map(|(i, &r)| entry(i as u32, r)).collect();
-    let bgl = device.create_bind_group_layout(&::wgpu::BindGroupLayoutDescriptor {
-        label: Some("attnkit flash_attn_coop"),
-        entries: &entries,
-    });
+    let bgl =
+        device.create_bind_group_layout(&::wgpu::BindGroupLayoutDescriptor { label: Some(label), entries: &entries });
     let layout = device.create_pipeline_layout(&::wgpu::PipelineLayoutDescriptor {
-        label: Some("attnkit flash_attn_coop"),
+        label: Some(label),
         bind_group_layouts: &[Some(&bgl)],
         immediate_size: 0,
     });
-    // SAFETY: the words are a module naga wrote from our own WGSL after validating it, with
-    // bounds checks on every buffer and array index (`Restrict`), changed afterwards only by
-    // memory-operand and barrier-semantics flags that the Vulkan memory model (which the module
-    // declares) defines; its bindings are exactly the layout above, and the device has the
-    // cooperative-matrix, f16 and subgroup features the module uses (`COOP_FEATURES`).
+    // SAFETY: the caller's promise (see above).
     let module = unsafe {
         device.create_shader_module_passthrough(::wgpu::ShaderModuleDescriptorPassthrough {
-            label: Some("attnkit flash_attn_coop"),
+            label: Some(label),
             entry_points: std::borrow::Cow::Owned(vec![::wgpu::PassthroughShaderEntryPoint {
                 name: "main".into(),
                 workgroup_size: (0, 0, 0),
@@ -398,14 +433,14 @@ fn coop_pipeline(device: &::wgpu::Device, src: &str) -> Result<::wgpu::ComputePi
             ..Default::default()
         })
     };
-    Ok(device.create_compute_pipeline(&::wgpu::ComputePipelineDescriptor {
-        label: Some("attnkit flash_attn_coop"),
+    device.create_compute_pipeline(&::wgpu::ComputePipelineDescriptor {
+        label: Some(label),
         layout: Some(&layout),
         module: &module,
         entry_point: Some("main"),
         compilation_options: Default::default(),
         cache: None,
-    }))
+    })
 }
 
 /// A device buffer that grows (never shrinks) to the largest size asked of it.
@@ -452,6 +487,9 @@ pub(crate) struct State {
     words: Vec<u32>,
     /// wgpu's loop bounding on (`ATTNKIT_WGPU_LOOP_BOUNDING=1`, for A/B timing).
     loop_bounding: bool,
+    /// The micro-tile kernel goes through [`mt_pipeline`] (the device has pass-through shaders,
+    /// on Vulkan); `ATTNKIT_WGPU_MT_PASSTHROUGH=0` keeps it on wgpu's own path (A/B).
+    pub(crate) mt_passthrough: bool,
 }
 
 const BIND_GROUP_CACHE: usize = 64;
@@ -474,6 +512,8 @@ impl State {
             bind_groups: HashMap::new(),
             words: Vec::new(),
             loop_bounding: std::env::var("ATTNKIT_WGPU_LOOP_BOUNDING").is_ok_and(|v| v == "1"),
+            mt_passthrough: device.features().contains(::wgpu::Features::PASSTHROUGH_SHADERS)
+                && std::env::var("ATTNKIT_WGPU_MT_PASSTHROUGH").map_or(true, |v| v != "0"),
         }
     }
 
@@ -501,12 +541,8 @@ impl State {
                 lb,
             ),
             PipeKey::Flash(_, d, p) if p.kernel == Kernel::Coop => coop_pipeline(device, &coop_source(d, p.nks, p.bk))?,
-            PipeKey::Flash(dt, d, p) => wgsl_pipeline(
-                device,
-                specialize(FLASH_MT_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk)]),
-                "attnkit flash_attn_mt",
-                lb,
-            ),
+            PipeKey::Flash(dt, d, p) if self.mt_passthrough => mt_pipeline(device, &mt_source(d, dt, &p))?,
+            PipeKey::Flash(dt, d, p) => wgsl_pipeline(device, mt_source(d, dt, &p), "attnkit flash_attn_mt", lb),
             PipeKey::Combine(dt, d) => {
                 wgsl_pipeline(device, specialize(COMBINE_SRC, &[("D", d), ("DT", dt as usize)]), "attnkit combine", lb)
             }

@@ -159,7 +159,10 @@ fn open_default() -> Result<Ctx> {
     let open = |coop: bool| {
         let desc = ::wgpu::DeviceDescriptor {
             label: Some("attnkit"),
-            required_features: if coop { COOP_FEATURES } else { ::wgpu::Features::empty() },
+            // Pass-through shaders wherever the adapter has them: the micro-tile kernel's module is
+            // written here (kernel.rs, `mt_pipeline`).
+            required_features: (if coop { COOP_FEATURES } else { ::wgpu::Features::empty() })
+                | (adapter.features() & ::wgpu::Features::PASSTHROUGH_SHADERS),
             // Everything the adapter offers: larger workgroup memory means larger tiles and head dims.
             required_limits: adapter.limits(),
             experimental_features: if coop {
@@ -271,6 +274,14 @@ impl WgpuBackend {
     /// Whether the cooperative-matrix kernel is available on this device.
     pub fn has_cooperative_matrices(&self) -> bool {
         self.ctx.coop
+    }
+
+    /// Whether the micro-tile kernel runs from attnkit's own SPIR-V, with array indices left
+    /// unclamped (a device with pass-through shaders, on Vulkan), rather than through wgpu's
+    /// shader translation. For tests and diagnosis.
+    #[doc(hidden)]
+    pub fn micro_tile_passthrough(&self) -> bool {
+        self.ctx.state.lock().unwrap_or_else(|e| e.into_inner()).mt_passthrough
     }
 
     fn with_ctx(ctx: Arc<Ctx>) -> Self {

@@ -50,20 +50,48 @@ pub(crate) struct Mended {
     pub barriers: usize,
 }
 
+/// Whether array indices are clamped in the generated code (naga's `Restrict`): on, unless
+/// `ATTNKIT_WGPU_INDEX_CHECKS=0` (A/B timing of what the clamps cost).
+pub(crate) fn index_checks() -> bool {
+    std::env::var("ATTNKIT_WGPU_INDEX_CHECKS").map_or(true, |v| v != "0")
+}
+
 /// The WGSL source `src` (one compute entry point, `main`) as SPIR-V words for Vulkan, with the
 /// workgroup accesses and barriers mended (see the module's text).
 pub(crate) fn coop_module(src: &str) -> Result<Vec<u32>> {
-    let err = |what: &str, e: String| backend_err(format!("cooperative-matrix kernel, {what}: {e}"));
+    let index =
+        if index_checks() { naga::proc::BoundsCheckPolicy::Restrict } else { naga::proc::BoundsCheckPolicy::Unchecked };
+    module(src, (1, 5), index)
+}
+
+/// The micro-tile kernel's WGSL as SPIR-V 1.3 (Vulkan 1.1) with every storage-buffer access
+/// clamped (`Restrict`, as wgpu would write it) but no clamp on array indices: each index of that
+/// shader is in range by construction (its header says why), and naga's clamp on every
+/// workgroup-memory index of the inner loops costs integer instructions beside each load and
+/// keeps the driver from folding the loads' constant offsets. `ATTNKIT_WGPU_INDEX_CHECKS=1`
+/// restores the clamps (A/B).
+pub(crate) fn mt_module(src: &str) -> Result<Vec<u32>> {
+    let restrict = std::env::var("ATTNKIT_WGPU_INDEX_CHECKS").is_ok_and(|v| v == "1");
+    let index =
+        if restrict { naga::proc::BoundsCheckPolicy::Restrict } else { naga::proc::BoundsCheckPolicy::Unchecked };
+    module(src, (1, 3), index)
+}
+
+/// `src` as SPIR-V `lang` with array indices under `index` and buffer accesses clamped; mended
+/// where the module declares the Vulkan memory model (see [`non_private_workgroup`]).
+fn module(src: &str, lang: (u8, u8), index: naga::proc::BoundsCheckPolicy) -> Result<Vec<u32>> {
+    let err = |what: &str, e: String| backend_err(format!("kernel module, {what}: {e}"));
     let module = naga::front::wgsl::parse_str(src).map_err(|e| err("WGSL", e.emit_to_string(src)))?;
     let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
         .validate(&module)
         .map_err(|e| err("WGSL validation", e.emit_to_string(src)))?;
     let options = naga::back::spv::Options {
-        // SPIR-V 1.5: Vulkan 1.2 and later, which every device with cooperative matrices has.
-        lang_version: (1, 5),
+        // SPIR-V 1.5 (Vulkan 1.2 and later, which every device with cooperative matrices has) for
+        // the coop kernel, 1.3 for the portable one.
+        lang_version: lang,
         flags: naga::back::spv::WriterFlags::empty(),
         bounds_check_policies: naga::proc::BoundsCheckPolicies {
-            index: naga::proc::BoundsCheckPolicy::Restrict,
+            index,
             buffer: naga::proc::BoundsCheckPolicy::Restrict,
             image_load: naga::proc::BoundsCheckPolicy::Restrict,
             binding_array: naga::proc::BoundsCheckPolicy::Unchecked,
