@@ -55,7 +55,6 @@ for p in ../shared/gpu/torch_anchor.py shared/gpu/torch_anchor.py; do
   [[ -f $p ]] && cp "$p" bundle/torch_anchor.py && break
 done
 cp scripts/bundle-run.sh bundle/run.sh
-cp scripts/vkcache_sass.py bundle/
 # Debug info makes the binaries ten times larger than the code; the bundle has to travel.
 strip --strip-debug bundle/bin/* bundle/examples/* 2>/dev/null || true
 git rev-parse --short HEAD > bundle/COMMIT 2>/dev/null || true

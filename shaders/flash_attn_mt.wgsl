@@ -27,11 +27,6 @@ const D: u32 = 128u; // @spec head dim, a multiple of 4
 const DT: u32 = 0u; // @spec storage dtype: 0 f32, 1 f16 (two per u32), 2 bf16 (two per u32)
 const BQ: u32 = 32u; // @spec rows per workgroup, a multiple of 4
 const BK: u32 = 32u; // @spec keys per tile, a multiple of 4
-// 1: each K/V tile is loaded into registers one phase ahead of its store to workgroup memory (see
-// below); 0: loaded just before its store (fewer registers a thread). For A/B timing.
-const PF: u32 = 1u; // @spec
-// 1: the q.k and p.v updates written as fma(); 0: as a += x * y. For A/B timing.
-const FM: u32 = 0u; // @spec
 
 const QG: u32 = BQ / 4u; // row groups
 const KG: u32 = BK / 4u; // key groups
@@ -257,14 +252,6 @@ fn score4(a: vec4<f32>, jv: vec4<i32>, r: RowInfo, scale: f32, cap: f32) -> vec4
     return select(vec4<f32>(MASKED), x, (jv >= vec4<i32>(r.lo)) & (jv < vec4<i32>(r.hi)));
 }
 
-// c + a * b, as one fused multiply-add where FM says so.
-fn mad(a: f32, b: vec4<f32>, c: vec4<f32>) -> vec4<f32> {
-    if (FM == 1u) {
-        return fma(vec4<f32>(a), b, c);
-    }
-    return c + a * b;
-}
-
 fn max4(x: vec4<f32>) -> f32 {
     return max(max(x.x, x.y), max(x.z, x.w));
 }
@@ -429,7 +416,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     // 4% faster and f32 22% slower on an H200.)
     var kreg: array<vec4<u32>, KI * 4u>;
     var vreg: array<vec4<u32>, VI>;
-    if (PF == 1u && start < end) {
+    if (start < end) {
         // @unroll
         for (var it = 0u; it < KI; it++) {
             let x = tid + it * WG;
@@ -445,19 +432,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
     for (var j0 = start; j0 < end; j0 += i32(BK)) {
         workgroupBarrier(); // kv, pt and red are free (and the Q tile is written)
-        if (PF == 0u) {
-            // @unroll
-            for (var it = 0u; it < KI; it++) {
-                let x = tid + it * WG;
-                if (x < KG * D4) {
-                    // @unroll
-                    for (var kj = 0u; kj < 4u; kj++) {
-                        let j = min(j0 + i32((x / D4) * 4u + kj), end - 1);
-                        kreg[it * 4u + kj] = raw_k((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
-                    }
-                }
-            }
-        }
         // K tile, transposed and swizzled: kv[kt_at(d, key group)].
         // @unroll
         for (var it = 0u; it < KI; it++) {
@@ -477,14 +451,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         workgroupBarrier();
         // This tile's V, in flight during q.k.
-        if (PF == 1u) {
-            // @unroll
-            for (var it = 0u; it < VI; it++) {
-                let x = tid + it * WG;
-                if (x < BK * D4) {
-                    let j = min(j0 + i32(x / D4), end - 1);
-                    vreg[it] = raw_v((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
-                }
+        // @unroll
+        for (var it = 0u; it < VI; it++) {
+            let x = tid + it * WG;
+            if (x < BK * D4) {
+                let j = min(j0 + i32(x / D4), end - 1);
+                vreg[it] = raw_v((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
             }
         }
 
@@ -502,22 +474,22 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let k2 = kv[kt_at(d + 2u, tx)];
             let q3 = qt[(d + 3u) * QG + ty];
             let k3 = kv[kt_at(d + 3u, tx)];
-            a0 = mad(q0.x, k0, a0);
-            a1 = mad(q0.y, k0, a1);
-            a2 = mad(q0.z, k0, a2);
-            a3 = mad(q0.w, k0, a3);
-            a0 = mad(q1.x, k1, a0);
-            a1 = mad(q1.y, k1, a1);
-            a2 = mad(q1.z, k1, a2);
-            a3 = mad(q1.w, k1, a3);
-            a0 = mad(q2.x, k2, a0);
-            a1 = mad(q2.y, k2, a1);
-            a2 = mad(q2.z, k2, a2);
-            a3 = mad(q2.w, k2, a3);
-            a0 = mad(q3.x, k3, a0);
-            a1 = mad(q3.y, k3, a1);
-            a2 = mad(q3.z, k3, a2);
-            a3 = mad(q3.w, k3, a3);
+            a0 += q0.x * k0;
+            a1 += q0.y * k0;
+            a2 += q0.z * k0;
+            a3 += q0.w * k0;
+            a0 += q1.x * k1;
+            a1 += q1.y * k1;
+            a2 += q1.z * k1;
+            a3 += q1.w * k1;
+            a0 += q2.x * k2;
+            a1 += q2.y * k2;
+            a2 += q2.z * k2;
+            a3 += q2.w * k2;
+            a0 += q3.x * k3;
+            a1 += q3.y * k3;
+            a2 += q3.z * k3;
+            a3 += q3.w * k3;
         }
         let jv = vec4<i32>(j0 + i32(tx * 4u)) + vec4<i32>(0, 1, 2, 3);
         let sc0 = score4(a0, jv, r0, scale, cap);
@@ -534,9 +506,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let x = tid + it * WG;
             if (x < BK * D4) {
                 let j = j0 + i32(x / D4);
-                if (PF == 0u) {
-                    vreg[it] = raw_v((k_row(kvi, u32(min(j, end - 1))) * hkv + kh) * D + (x % D4) * 4u);
-                }
                 kv[x] = select(finite4(widen(vreg[it])), vec4<f32>(0.0), j >= end);
             }
         }
@@ -563,7 +532,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         workgroupBarrier(); // P and the V tile are written
         // The next tile's K, in flight during p.v.
         let jn = j0 + i32(BK);
-        if (PF == 1u && jn < end) {
+        if (jn < end) {
             // @unroll
             for (var it = 0u; it < KI; it++) {
                 let x = tid + it * WG;
@@ -592,10 +561,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 let c = tx + n * KG;
                 if (c < D4) {
                     let vv = kv[jj * D4 + c];
-                    o0[n] = mad(pv.x, vv, o0[n]);
-                    o1[n] = mad(pv.y, vv, o1[n]);
-                    o2[n] = mad(pv.z, vv, o2[n]);
-                    o3[n] = mad(pv.w, vv, o3[n]);
+                    o0[n] += pv.x * vv;
+                    o1[n] += pv.y * vv;
+                    o2[n] += pv.z * vv;
+                    o3[n] += pv.w * vv;
                 }
             }
         }

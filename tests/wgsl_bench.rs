@@ -275,9 +275,8 @@ fn sweep_decode() {
 /// register count and code size) and any internal representation it offers, through
 /// `VK_KHR_pipeline_executable_properties`, on the first non-CPU Vulkan device (else the first).
 /// The modules are naga's SPIR-V of the kernels ([`attnkit::wgpu::bench_kernel_modules`]).
-/// `ATTNKIT_STATS_DIR=dir` writes each internal representation, and each pipeline's cache data
-/// (the driver's binary, for a disassembler), to a file there. Fails when the device lacks the
-/// extension or a pipeline cannot be built.
+/// `ATTNKIT_STATS_DIR=dir` writes each internal representation to a file there. Fails when the
+/// device lacks the extension or a pipeline cannot be built.
 #[test]
 #[ignore]
 fn kernel_statistics() {
@@ -388,19 +387,9 @@ fn kernel_statistics() {
                 vk::PipelineCreateFlags::empty()
             };
             let ci = [vk::ComputePipelineCreateInfo::default().flags(flags).stage(stage).layout(layout)];
-            // A pipeline cache of its own, so that its data (the driver's compiled binary, in the
-            // driver's own format) can be written out for a disassembler.
-            let cache = device.create_pipeline_cache(&vk::PipelineCacheCreateInfo::default(), None).unwrap();
-            let pipeline = device.create_compute_pipelines(cache, &ci, None).map_err(|(_, e)| e).unwrap()[0];
+            let pipeline =
+                device.create_compute_pipelines(vk::PipelineCache::null(), &ci, None).map_err(|(_, e)| e).unwrap()[0];
             built += 1;
-            let blob = device.get_pipeline_cache_data(cache).unwrap_or_default();
-            let elf = blob.windows(4).filter(|w| *w == b"\x7fELF").count();
-            eprintln!("{name}: pipeline cache data {} bytes, {elf} ELF header(s)", blob.len());
-            if let Some(dir) = &out_dir {
-                let file = name.replace(|c: char| !c.is_ascii_alphanumeric(), "_");
-                std::fs::write(format!("{dir}/{file}.vkcache"), &blob).unwrap();
-            }
-            device.destroy_pipeline_cache(cache, None);
             if !stats {
                 eprintln!("{name}: pipeline built ({} words)", words.len());
                 device.destroy_pipeline(pipeline, None);

@@ -318,12 +318,8 @@ pub(crate) fn bench_modules() -> Result<Vec<(String, Vec<u32>)>> {
 }
 
 /// The micro-tile kernel's WGSL for storage dtype code `dt`, head dim `d` and plan `p`.
-/// `ATTNKIT_WGPU_MT_PF=0` (tiles loaded just before their store, not a phase ahead) and
-/// `ATTNKIT_WGPU_MT_FMA=1` (fma() in the inner loops) are for A/B timing; the results are the same.
 pub(crate) fn mt_source(d: usize, dt: u32, p: &Plan) -> String {
-    let knob = |name: &str, default: usize| std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default);
-    let (pf, fm) = (knob("ATTNKIT_WGPU_MT_PF", 1).min(1), knob("ATTNKIT_WGPU_MT_FMA", 0).min(1));
-    specialize(FLASH_MT_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk), ("PF", pf), ("FM", fm)])
+    specialize(FLASH_MT_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk)])
 }
 
 /// The cooperative-matrix kernel's WGSL for head dim `d`, `nw` subgroups and `bk` keys a tile.
@@ -338,8 +334,6 @@ fn wgsl_pipeline(device: &::wgpu::Device, src: String, label: &str, loop_boundin
     // unroll the constant-trip loops and keep the per-thread arrays they index in registers.
     let mut checks = ::wgpu::ShaderRuntimeChecks::checked();
     checks.force_loop_bounding = loop_bounding;
-    // `ATTNKIT_WGPU_INDEX_CHECKS=0`: no clamp on array indices either (A/B timing only).
-    checks.bounds_checks = super::spirv::index_checks();
     // SAFETY: `force_loop_bounding = false` requires that no shader can loop forever. Every
     // loop in shaders/*.wgsl is a counted `for` whose counter only increases, by a positive
     // step, toward a bound fixed before the loop starts (a constant, or a value read from the
@@ -487,8 +481,9 @@ pub(crate) struct State {
     words: Vec<u32>,
     /// wgpu's loop bounding on (`ATTNKIT_WGPU_LOOP_BOUNDING=1`, for A/B timing).
     loop_bounding: bool,
-    /// The micro-tile kernel goes through [`mt_pipeline`] (the device has pass-through shaders,
-    /// on Vulkan); `ATTNKIT_WGPU_MT_PASSTHROUGH=0` keeps it on wgpu's own path (A/B).
+    /// The micro-tile kernel goes through [`mt_pipeline`] (a Vulkan device with pass-through
+    /// shaders: the module is SPIR-V); `ATTNKIT_WGPU_MT_PASSTHROUGH=0` keeps it on wgpu's own
+    /// path (A/B).
     pub(crate) mt_passthrough: bool,
 }
 
@@ -513,6 +508,7 @@ impl State {
             words: Vec::new(),
             loop_bounding: std::env::var("ATTNKIT_WGPU_LOOP_BOUNDING").is_ok_and(|v| v == "1"),
             mt_passthrough: device.features().contains(::wgpu::Features::PASSTHROUGH_SHADERS)
+                && device.adapter_info().backend == ::wgpu::Backend::Vulkan
                 && std::env::var("ATTNKIT_WGPU_MT_PASSTHROUGH").map_or(true, |v| v != "0"),
         }
     }

@@ -159,10 +159,14 @@ fn open_default() -> Result<Ctx> {
     let open = |coop: bool| {
         let desc = ::wgpu::DeviceDescriptor {
             label: Some("attnkit"),
-            // Pass-through shaders wherever the adapter has them: the micro-tile kernel's module is
-            // written here (kernel.rs, `mt_pipeline`).
+            // Pass-through shaders on Vulkan wherever the adapter has them: the micro-tile
+            // kernel's SPIR-V is written here (kernel.rs, `mt_pipeline`).
             required_features: (if coop { COOP_FEATURES } else { ::wgpu::Features::empty() })
-                | (adapter.features() & ::wgpu::Features::PASSTHROUGH_SHADERS),
+                | if info.backend == ::wgpu::Backend::Vulkan {
+                    adapter.features() & ::wgpu::Features::PASSTHROUGH_SHADERS
+                } else {
+                    ::wgpu::Features::empty()
+                },
             // Everything the adapter offers: larger workgroup memory means larger tiles and head dims.
             required_limits: adapter.limits(),
             experimental_features: if coop {

@@ -50,28 +50,20 @@ pub(crate) struct Mended {
     pub barriers: usize,
 }
 
-/// Whether array indices are clamped in the generated code (naga's `Restrict`): on, unless
-/// `ATTNKIT_WGPU_INDEX_CHECKS=0` (A/B timing of what the clamps cost).
-pub(crate) fn index_checks() -> bool {
-    std::env::var("ATTNKIT_WGPU_INDEX_CHECKS").map_or(true, |v| v != "0")
-}
-
 /// The WGSL source `src` (one compute entry point, `main`) as SPIR-V words for Vulkan, with the
 /// workgroup accesses and barriers mended (see the module's text).
 pub(crate) fn coop_module(src: &str) -> Result<Vec<u32>> {
-    let index =
-        if index_checks() { naga::proc::BoundsCheckPolicy::Restrict } else { naga::proc::BoundsCheckPolicy::Unchecked };
-    module(src, (1, 5), index)
+    module(src, (1, 5), naga::proc::BoundsCheckPolicy::Restrict)
 }
 
 /// The micro-tile kernel's WGSL as SPIR-V 1.3 (Vulkan 1.1) with every storage-buffer access
 /// clamped (`Restrict`, as wgpu would write it) but no clamp on array indices: each index of that
 /// shader is in range by construction (its header says why), and naga's clamp on every
 /// workgroup-memory index of the inner loops costs integer instructions beside each load and
-/// keeps the driver from folding the loads' constant offsets. `ATTNKIT_WGPU_INDEX_CHECKS=1`
+/// keeps the driver from folding the loads' constant offsets. `ATTNKIT_WGPU_MT_INDEX_CHECKS=1`
 /// restores the clamps (A/B).
 pub(crate) fn mt_module(src: &str) -> Result<Vec<u32>> {
-    let restrict = std::env::var("ATTNKIT_WGPU_INDEX_CHECKS").is_ok_and(|v| v == "1");
+    let restrict = std::env::var("ATTNKIT_WGPU_MT_INDEX_CHECKS").is_ok_and(|v| v == "1");
     let index =
         if restrict { naga::proc::BoundsCheckPolicy::Restrict } else { naga::proc::BoundsCheckPolicy::Unchecked };
     module(src, (1, 3), index)
