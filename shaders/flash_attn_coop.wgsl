@@ -14,10 +14,16 @@
 //   3. softmax: two invocations per row, each over half the tile's keys (one shuffle joins
 //      them). The row keeps a reference max m and rescales its output only when a score exceeds
 //      m + TAU (then m moves to the tile max): P = exp(S - m) <= e^TAU fits f16, and most tiles
-//      need no rescale. A workgroup-wide flag says whether any row with mass moved its m; only
-//      then the output matrices go through the scratch rows to be scaled;
+//      need no rescale. When any row of a subgroup with mass moved its m, that subgroup's output
+//      matrices go through its scratch rows to be scaled;
 //   4. O += P V on the matrices.
 // `coopLoad` reads column-major, `coopLoadT` row-major (element (r, c) at r * stride + c).
+//
+// Steps 2 to 4 touch only the subgroup's own rows of workgroup memory, so they are ordered by
+// subgroup barriers (`sync_rows`): the subgroups of a workgroup meet once a tile, at step 1. The
+// branch on a subgroup's rescale is uniform in its subgroup, which is what the cooperative
+// operations in it need, but naga's uniformity analysis knows only workgroup uniformity, so this
+// kernel is validated without it (spirv.rs).
 //
 // The host puts shaders/include/common.wgsl (the metadata layout, bindings and masks it shares
 // with flash_attn.wgsl) in place of its `@include` line and specialises the lines marked `@spec` before compiling.
@@ -33,6 +39,11 @@ const BK: u32 = 32u; // @spec keys per tile, a multiple of 16, at least 8 * NW
 // state and key range; 6 writes the first tile's K rows as plain loads read them from workgroup
 // memory, 7 the first K^T block as the cooperative load read it (row r of the output: d = r).
 const DEBUG: u32 = 0u; // @spec
+// 1: a subgroup's own steps of a tile (its S rows, softmax, P rows, rescale) are ordered by
+// subgroup barriers, so the subgroups of a workgroup meet once a tile, where the K/V tile is
+// stored; each subgroup decides its own rescale. 0: workgroup barriers and one workgroup-wide
+// rescale flag (the kernel before; A/B).
+const SGS: u32 = 1u; // @spec
 
 const BQ: u32 = 16u * NW;
 const WG: u32 = 32u * NW;
@@ -108,20 +119,30 @@ fn vt(kb: u32, kb2: u32, n: u32) -> coop_mat16x16<f16, B> {
     return coopLoadT<coop_mat16x16<f16, B>>(&kvs[kb + (BK + kb2 * 16u) * KS + n * 16u], KS);
 }
 
+// Orders the workgroup-memory accesses of the steps of a tile that touch only this subgroup's
+// rows (see the header).
+fn sync_rows() {
+    if (SGS == 1u) {
+        subgroupBarrier();
+    } else {
+        workgroupBarrier();
+    }
+}
+
 // An output matrix with each of its 16 rows scaled by the row's factor in `al`, through the
 // subgroup's scratch rows.
 fn rescaled(m: coop_mat16x16<f32, C>, sg: u32, lane: u32) -> coop_mat16x16<f32, C> {
     coopStoreT(m, &ss[sg * 16u * SS], SS);
-    workgroupBarrier();
+    sync_rows();
     for (var e = 0u; e < 8u; e++) {
         let idx = lane + e * 32u;
         let rr = idx / 16u;
         let at = sg * 16u * SS + rr * SS + idx % 16u;
         ss[at] = ss[at] * ss[AL + sg * 16u + rr];
     }
-    workgroupBarrier();
+    sync_rows();
     let r = coopLoadT<coop_mat16x16<f32, C>>(&ss[sg * 16u * SS], SS);
-    workgroupBarrier();
+    sync_rows();
     return r;
 }
 
@@ -299,7 +320,7 @@ fn main(
                 put4(kb + BK * KS + off, select(vec2<u32>(0u), vec2<u32>(finite_h2(vw[it].x), finite_h2(vw[it].y)), live));
             }
         }
-        if (tid == 0u) {
+        if (SGS == 0u && tid == 0u) {
             ss[flag] = 0.0;
         }
         workgroupBarrier();
@@ -336,7 +357,7 @@ fn main(
             if (DM > 7u) { acc = coopMultiplyAdd(q7, kt(kb, kb2, 7u), acc); }
             coopStoreT(acc, &ss[sg * 16u * SS + kb2 * 16u], SS);
         }
-        workgroupBarrier();
+        sync_rows();
         if (DEBUG == 2u) {
             let x = srow + half * 8u;
             debug_put(s, i, h, hq, half, vec4<f32>(ss[x], ss[x + 1u], ss[x + 2u], ss[x + 3u]), vec4<f32>(ss[x + 4u], ss[x + 5u], ss[x + 6u], ss[x + 7u]));
@@ -372,12 +393,14 @@ fn main(
         mt = max(mt, subgroupShuffleXor(mt, 1u));
         var alpha = 1.0;
         let lrow = l + subgroupShuffleXor(l, 1u);
+        var moved = false;
         if (mt > m + TAU) {
             alpha = exp(m - mt);
             m = mt;
-            // Every writer writes the same value; the read comes after a barrier.
             // A row with no mass yet has a zero output: nothing to rescale.
-            if (lrow > 0.0) {
+            moved = lrow > 0.0;
+            // SGS 0: every writer writes the same value; the read comes after a barrier.
+            if (SGS == 0u && moved) {
                 ss[flag] = 1.0;
             }
         }
@@ -396,8 +419,14 @@ fn main(
         if (half == 0u) {
             ss[AL + r] = alpha;
         }
-        // A barrier too: P and the factors are written.
-        let rescale = workgroupUniformLoad(&ss[flag]);
+        // After a barrier: P and the factors are written.
+        var rescale = false;
+        if (SGS == 1u) {
+            rescale = subgroupAny(moved);
+            sync_rows();
+        } else {
+            rescale = workgroupUniformLoad(&ss[flag]) != 0.0;
+        }
         if (DEBUG == 3u) {
             let x = prow + half * 8u;
             debug_put(s, i, h, hq, half, vec4<f32>(f32(ps[x]), f32(ps[x + 1u]), f32(ps[x + 2u]), f32(ps[x + 3u])), vec4<f32>(f32(ps[x + 4u]), f32(ps[x + 5u]), f32(ps[x + 6u]), f32(ps[x + 7u])));
@@ -410,7 +439,7 @@ fn main(
             }
             return;
         }
-        if (rescale != 0.0) {
+        if (rescale) {
             o0 = rescaled(o0, sg, lane);
             if (DM > 1u) { o1 = rescaled(o1, sg, lane); }
             if (DM > 2u) { o2 = rescaled(o2, sg, lane); }

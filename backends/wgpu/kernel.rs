@@ -324,7 +324,11 @@ pub(crate) fn mt_source(d: usize, dt: u32, p: &Plan) -> String {
 
 /// The cooperative-matrix kernel's WGSL for head dim `d`, `nw` subgroups and `bk` keys a tile.
 pub(crate) fn coop_source(d: usize, nw: usize, bk: usize) -> String {
-    specialize(FLASH_COOP_SRC, &[("D", d), ("NW", nw), ("BK", bk), ("DEBUG", super::coop_settings().debug)])
+    let cs = super::coop_settings();
+    specialize(
+        FLASH_COOP_SRC,
+        &[("D", d), ("NW", nw), ("BK", bk), ("DEBUG", cs.debug), ("SGS", usize::from(cs.subgroup_sync))],
+    )
 }
 
 /// A pipeline of a portable kernel, from its specialised WGSL through wgpu (layout reflected).
