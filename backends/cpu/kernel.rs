@@ -706,24 +706,21 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
         }
         ia[r] = (i as i64 + shift) as f32;
     }
-    // The q row `r` of kv head `x` (a real row, r < rows).
-    let q_row = |x: usize, r: usize| {
-        let (i, h) = rw.at(c, x, r);
-        &ctx.q[((seq.q_start + i) * hq + h) * d..][..d]
-    };
+    // The q row of (query position, query head).
+    let q_row = |(i, h): (usize, usize)| &ctx.q[((seq.q_start + i) * hq + h) * d..][..d];
     for x in 0..rw.nkh {
         let qt = &mut qt[x * d * rp..(x + 1) * d * rp];
         for r in 0..Q_AHEAD.min(rows) {
-            prefetch_row::<S, T>(q_row(x, r));
+            prefetch_row::<S, T>(q_row(rw.at(c, x, r)));
         }
         for r in 0..rp {
-            let (_, h) = rw.at(c, x, r.min(rows - 1));
+            let (i, h) = rw.at(c, x, r.min(rows - 1));
             slope[x * rp + r] = c.call.alibi_slopes.map_or(0.0, |a| a[h]);
             if r + Q_AHEAD < rows {
-                prefetch_row::<S, T>(q_row(x, r + Q_AHEAD));
+                prefetch_row::<S, T>(q_row(rw.at(c, x, r + Q_AHEAD)));
             }
             if r < rows {
-                let src = q_row(x, r);
+                let src = q_row((i, h));
                 // SAFETY: `S` is present (the caller's promise).
                 unsafe { pack_row::<S, T>(src, d, row) };
                 if direct {

@@ -14,8 +14,8 @@
 //! gets `MakeAvailable | MakeVisible`, the semantics a GLSL compiler gives `barrier()` on shared
 //! memory under the same model. A subgroup barrier (naga writes it for subgroup memory, a storage
 //! class Vulkan does not have) orders workgroup memory instead: the coop kernel uses it between
-//! the steps of a tile that touch only the subgroup's own rows. The module then goes to the driver as it is (wgpu's pass-through
-//! shaders), since wgpu would otherwise write it again from the WGSL.
+//! the steps of a tile that touch only the subgroup's own rows. The module then goes to the driver
+//! as it is (wgpu's pass-through shaders), since wgpu would otherwise write it again from the WGSL.
 
 use super::backend_err;
 use crate::error::Result;
@@ -42,8 +42,9 @@ const MEMORY_MODEL_VULKAN: u32 = 3;
 pub(crate) const NON_PRIVATE_POINTER: u32 = 0x20;
 /// Memory semantics: an availability and a visibility operation on the storage classes named.
 pub(crate) const MAKE_AVAILABLE_VISIBLE: u32 = 0x2000 | 0x4000;
-/// Memory semantics: the storage classes ordered.
+/// Memory semantics: subgroup memory ordered (what naga writes for `subgroupBarrier`).
 const SEM_SUBGROUP_MEMORY: u32 = 0x80;
+/// Memory semantics: workgroup memory ordered.
 const SEM_WORKGROUP_MEMORY: u32 = 0x100;
 
 /// What [`non_private_workgroup`] changed.
