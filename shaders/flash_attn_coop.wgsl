@@ -39,11 +39,6 @@ const BK: u32 = 32u; // @spec keys per tile, a multiple of 16, at least 8 * NW
 // state and key range; 6 writes the first tile's K rows as plain loads read them from workgroup
 // memory, 7 the first K^T block as the cooperative load read it (row r of the output: d = r).
 const DEBUG: u32 = 0u; // @spec
-// 1: a subgroup's own steps of a tile (its S rows, softmax, P rows, rescale) are ordered by
-// subgroup barriers, so the subgroups of a workgroup meet once a tile, where the K/V tile is
-// stored; each subgroup decides its own rescale. 0: workgroup barriers and one workgroup-wide
-// rescale flag (the kernel before; A/B).
-const SGS: u32 = 1u; // @spec
 
 const BQ: u32 = 16u * NW;
 const WG: u32 = 32u * NW;
@@ -66,16 +61,17 @@ const TAU: f32 = 8.0;
 // K tile (rows 0..BK) then V tile (rows BK..2BK); before the first tile, the Q tile (BQ <= 2BK).
 var<workgroup> kvs: array<f16, KVB * 2u * BK * KS>;
 // Per subgroup 16 rows: S, then pieces of O. Then, at AL, per row this tile's rescale factor
-// (at the end 1 / l); at FLAG + the tile's parity, 1 when some row moved its max this tile; at
-// RANGE, the workgroup's key range (bit patterns of two i32).
+// (at the end 1 / l); at RANGE, the workgroup's key range (bit patterns of two i32).
 //
 // Every workgroup value lives in one of these three arrays, on purpose: on an H200 (driver
 // 580) the cooperative loads and stores read and wrote at wrong places as soon as the shader
 // also declared small workgroup variables (an atomic flag, a vec2, a 64-float array), while
 // plain loads and stores were right; `coop_operations_in_kernel_settings` checks it.
 const AL: u32 = NW * 16u * SS;
-const FLAG: u32 = AL + BQ;
-const RANGE: u32 = FLAG + 2u;
+const RANGE: u32 = AL + BQ;
+// The length is kept a multiple of 4 floats: the driver places `ps` right after this array, and
+// the cooperative loads of P need it 16-byte aligned. With BQ + 2 here (two floats fewer) the
+// kernel's outputs were wrong on an H100 (driver 580), by the same arithmetic.
 var<workgroup> ss: array<f32, NW * 16u * SS + BQ + 4u>;
 // Per subgroup 16 rows: P.
 var<workgroup> ps: array<f16, NW * 16u * PS>;
@@ -122,11 +118,7 @@ fn vt(kb: u32, kb2: u32, n: u32) -> coop_mat16x16<f16, B> {
 // Orders the workgroup-memory accesses of the steps of a tile that touch only this subgroup's
 // rows (see the header).
 fn sync_rows() {
-    if (SGS == 1u) {
-        subgroupBarrier();
-    } else {
-        workgroupBarrier();
-    }
+    subgroupBarrier();
 }
 
 // An output matrix with each of its 16 rows scaled by the row's factor in `al`, through the
@@ -305,9 +297,8 @@ fn main(
     var l = 0.0;
     var parity = 0u;
     for (var j0 = start; j0 < end; j0 += i32(BK)) {
-        // This tile's K/V buffer and rescale flag (the previous tile's may still be read).
+        // This tile's K/V buffer (the previous tile's may still be read).
         let kb = parity * 2u * BK * KS;
-        let flag = FLAG + parity;
         parity ^= 1u;
         // 1. This tile into workgroup memory; the next tile's loads in flight.
         for (var it = 0u; it < LW; it++) {
@@ -319,9 +310,6 @@ fn main(
                 put4(kb + off, select(vec2<u32>(0u), kw[it], live));
                 put4(kb + BK * KS + off, select(vec2<u32>(0u), vec2<u32>(finite_h2(vw[it].x), finite_h2(vw[it].y)), live));
             }
-        }
-        if (SGS == 0u && tid == 0u) {
-            ss[flag] = 0.0;
         }
         workgroupBarrier();
         let jn = j0 + i32(BK);
@@ -399,10 +387,6 @@ fn main(
             m = mt;
             // A row with no mass yet has a zero output: nothing to rescale.
             moved = lrow > 0.0;
-            // SGS 0: every writer writes the same value; the read comes after a barrier.
-            if (SGS == 0u && moved) {
-                ss[flag] = 1.0;
-            }
         }
         var sum4 = vec4<f32>(0.0);
         for (var n = 0u; n < HK / 4u; n++) {
@@ -420,13 +404,8 @@ fn main(
             ss[AL + r] = alpha;
         }
         // After a barrier: P and the factors are written.
-        var rescale = false;
-        if (SGS == 1u) {
-            rescale = subgroupAny(moved);
-            sync_rows();
-        } else {
-            rescale = workgroupUniformLoad(&ss[flag]) != 0.0;
-        }
+        let rescale = subgroupAny(moved);
+        sync_rows();
         if (DEBUG == 3u) {
             let x = prow + half * 8u;
             debug_put(s, i, h, hq, half, vec4<f32>(f32(ps[x]), f32(ps[x + 1u]), f32(ps[x + 2u]), f32(ps[x + 3u])), vec4<f32>(f32(ps[x + 4u]), f32(ps[x + 5u]), f32(ps[x + 6u]), f32(ps[x + 7u])));
@@ -469,7 +448,7 @@ fn main(
             emit(o0, 0u, sg, lane, i0, s, h, hq, 0u, 1u);
             return;
         }
-        // No barrier here: the next tile goes to the other K/V buffer and flag, and its S and P
+        // No barrier here: the next tile goes to the other K/V buffer, and its S and P
         // are written after its first barrier, which every reader of this tile's has passed.
     }
 

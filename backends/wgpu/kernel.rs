@@ -126,7 +126,7 @@ fn wg_bytes(p: &Plan, d: usize, wpc: usize) -> usize {
         // Q^T, K^T-then-V, P^T, and a vec4 per (key group, row group) for the row maxima and sums.
         Kernel::MicroTile => (p.bq * d + p.bk * d + p.bk * p.bq) * 4 + p.bk * p.bq,
         // Two buffers of K and V tiles in f16 (rows padded by 8), each subgroup's f32 scratch rows
-        // and f16 P rows (both padded by 4), a factor per row, two flags and the key range.
+        // and f16 P rows (both padded by 4), a factor per row and the key range (padded to 16 bytes).
         Kernel::Coop => 2 * 2 * p.bk * (d + 8) * 2 + p.nks * 16 * (p.bk + 4) * (4 + 2) + p.bq * 4 + 16,
     }
 }
@@ -325,10 +325,7 @@ pub(crate) fn mt_source(d: usize, dt: u32, p: &Plan) -> String {
 /// The cooperative-matrix kernel's WGSL for head dim `d`, `nw` subgroups and `bk` keys a tile.
 pub(crate) fn coop_source(d: usize, nw: usize, bk: usize) -> String {
     let cs = super::coop_settings();
-    specialize(
-        FLASH_COOP_SRC,
-        &[("D", d), ("NW", nw), ("BK", bk), ("DEBUG", cs.debug), ("SGS", usize::from(cs.subgroup_sync))],
-    )
+    specialize(FLASH_COOP_SRC, &[("D", d), ("NW", nw), ("BK", bk), ("DEBUG", cs.debug)])
 }
 
 /// A pipeline of a portable kernel, from its specialised WGSL through wgpu (layout reflected).

@@ -219,10 +219,6 @@ pub(crate) struct CoopSettings {
     /// `ATTNKIT_WGPU_COOP_DEBUG=n` (diagnosis only, see flash_attn_coop.wgsl): the kernel stops
     /// after stage n of its first tile and writes that stage out; 0, the default, runs it whole.
     pub debug: usize,
-    /// `ATTNKIT_WGPU_COOP_SYNC=workgroup` (A/B): the kernel's steps on a subgroup's own rows
-    /// ordered by workgroup barriers, with one rescale flag for the workgroup, as before the
-    /// subgroup barriers; the default orders them by subgroup barriers.
-    pub subgroup_sync: bool,
 }
 
 /// [`CoopSettings`] of this process.
@@ -235,8 +231,7 @@ pub(crate) fn coop_settings() -> CoopSettings {
             Some((a.trim().parse().ok()?, b.trim().parse().ok()?))
         });
         let debug = std::env::var("ATTNKIT_WGPU_COOP_DEBUG").ok().and_then(|v| v.parse().ok()).unwrap_or(0);
-        let subgroup_sync = std::env::var("ATTNKIT_WGPU_COOP_SYNC").map_or(true, |v| v != "workgroup");
-        CoopSettings { allowed: mode != "off", auto: mode != "manual", tile, debug, subgroup_sync }
+        CoopSettings { allowed: mode != "off", auto: mode != "manual", tile, debug }
     })
 }
 
