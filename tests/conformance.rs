@@ -301,17 +301,21 @@ macro_rules! conformance {
                     // Non-causal, 600 rows of one kv head: several of the cpu backend's
                     // 256-row tasks, the last one partial.
                     case(LayoutKind::Varlen, DType::F32, vec![(300, 310), (45, 45)], 1, 2, big),
+                    // Causal with a left window, 600 rows of each kv head: several 256-row
+                    // masked tasks, tiles skipped above the diagonal and left of the window.
+                    case(LayoutKind::Dense, DType::F32, vec![(600, 640)], 2, 1, big),
                 ];
                 let n = cases.len();
                 for (i, c) in cases.iter_mut().enumerate() {
                     c.params.causal = i % 2 == 1;
-                    c.block_size = [16, 1, 5, 32, 16, 16, 16][i % n];
+                    c.block_size = [16, 1, 5, 32, 16, 16, 16, 16][i % n];
                     c.seed = 1000 + i as u64;
                 }
                 cases[3].params.softcap = Some(5.0);
                 cases[3].alibi = true;
                 cases[4].params.window_left = Some(20);
                 cases[2].params.window_right = Some(3);
+                cases[7].params.window_left = Some(300);
                 for c in &cases {
                     check_against_reference(&*be, c).unwrap_or_else(|e| panic!("backend {}: {e}", $name));
                 }

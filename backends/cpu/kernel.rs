@@ -37,14 +37,27 @@ const BK: usize = 64;
 /// mask: at S = 2048, H = 16 that is 128 tasks, plenty for two cores. Every task of a head streams
 /// that head's whole K and V (2 MiB in f32 at S 2048, D 128: more than a core's L2), so the rows
 /// per task set how often they come from memory: on a 2-core Xeon (Emerald Rapids) 128 rows
-/// timed 4-10% faster than 64, and 256 another 5-7% at D 128 (2-3% at D 64), f32.
+/// timed 4-10% faster than 64, and 256 another 5-7% at D 128 (2-3% at D 64), f32. Masked calls
+/// (causal, window) take the same: their tasks had 128 rows while the q and s tiles' row stride
+/// was a power of two (which cost 256-row tasks more); with [`row_stride`], 256 rows timed their
+/// causal calls 2-13% faster on a 2-core Xeon (model 167), causal / full 0.544-0.557.
 const ROWS: usize = 256;
-/// Query rows per task with a causal or window mask: a task runs whole key tiles up to its last
-/// row's keys, so the masked work it cannot skip grows with its rows; with 256 rows the causal
-/// calls timed no faster while the full-mask ones gained, which pushes causal / full up.
-const ROWS_MASKED: usize = 128;
 /// Largest lane count of any instruction set, for padding.
 const MAX_LANES: usize = 16;
+
+/// Row stride (elements) of a tile whose rows hold `rp` padded elements: an odd number of 64-byte
+/// lines once a row is 256 bytes or more. The q·k kernel walks the transposed q tile down D and
+/// p·v walks s down the keys, one row per step; a stride of 512 or 1024 bytes maps those rows to
+/// 8 or 4 of the L1's 64 sets, fewer lines than one kernel call touches, so they evicted each
+/// other. (The packed k and v tiles, 512-byte rows at D 128 f32, timed no faster off it.)
+const fn row_stride(rp: usize) -> usize {
+    if rp >= 4 * MAX_LANES && (rp / MAX_LANES) % 2 == 0 {
+        rp + MAX_LANES
+    } else {
+        rp
+    }
+}
+
 /// At most this many rows per kv head (decode: one position times a GQA group of up to 4), q·kᵀ
 /// runs as dot products along D straight from the cache rows ([`dot_rows`]) instead of the
 /// rows-in-lanes tile, which would leave most lanes empty; k is then never packed.
@@ -219,11 +232,13 @@ impl Scratch {
     fn reserve_for(&mut self, c: &Checked<'_>, plan: &Plan) {
         let rp = (plan.bq * plan.hn).next_multiple_of(MAX_LANES);
         let ra = plan.nh * rp;
+        // A task's rows padded to its own lanes stride at most one more vector than `rp`.
+        let rs = rp + MAX_LANES;
         let dp = plan.dp;
         for (b, n) in [
-            (&mut self.qt, c.d * ra),
+            (&mut self.qt, c.d * plan.nh * rs),
             (&mut self.qr, plan.nh * DIRECT_ROWS * dp),
-            (&mut self.s, BK * rp),
+            (&mut self.s, BK * rs),
             (&mut self.kp, BK * dp),
             (&mut self.vp, BK * dp),
             (&mut self.o, ra * dp),
@@ -280,9 +295,7 @@ pub(crate) struct Plan {
 impl Plan {
     pub(crate) fn new(c: &Checked<'_>) -> Plan {
         let g = c.group();
-        let p = &c.call.params;
-        let masked = p.causal || p.window_left.is_some() || p.window_right.is_some();
-        let rows = if masked { ROWS_MASKED } else { ROWS };
+        let rows = ROWS;
         let hn = g.min(rows);
         let hparts = g.div_ceil(hn);
         let bq = (rows / hn).max(1).min(c.max_q.max(1));
@@ -666,16 +679,18 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
     // Rows of one kv head, padded to the lanes; kv head x owns rows x * rp.. of the per-row state.
     let rp = rows.next_multiple_of(S::LANES);
     let ra = rw.nkh * rp;
+    // Row stride of qt and s.
+    let rs = row_stride(rp);
     let slow = p.softcap.is_some() || c.call.alibi_slopes.is_some();
     let log2e = std::f32::consts::LOG2_E;
     // Fast path: q carries scale * log2(e), so s is already in log2 units.
     let qscale = if slow { 1.0 } else { c.scale * log2e };
 
     let Scratch { qt, qr, s, kp, vp, o, row, m, l, alpha, af, ef, slope, ia, lo, hi, a, e } = sc;
-    let qt = qt.get(d * ra);
+    let qt = qt.get(d * rw.nkh * rs);
     let direct = rows <= DIRECT_ROWS;
     let qr = qr.get(if direct { rw.nkh * DIRECT_ROWS * dp } else { 0 });
-    let s = s.get(BK * rp);
+    let s = s.get(BK * rs);
     let kp = kp.get(BK * dp);
     let vp = vp.get(BK * dp);
     let o = o.get(ra * dp);
@@ -709,7 +724,7 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
     // The q row of (query position, query head).
     let q_row = |(i, h): (usize, usize)| &ctx.q[((seq.q_start + i) * hq + h) * d..][..d];
     for x in 0..rw.nkh {
-        let qt = &mut qt[x * d * rp..(x + 1) * d * rp];
+        let qt = &mut qt[x * d * rs..(x + 1) * d * rs];
         for r in 0..Q_AHEAD.min(rows) {
             prefetch_row::<S, T>(q_row(rw.at(c, x, r)));
         }
@@ -729,12 +744,12 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
                     qd.iter_mut().zip(&row[..d]).for_each(|(w, &z)| *w = z * qscale);
                 } else {
                     for (y, &z) in row[..d].iter().enumerate() {
-                        qt[y * rp + r] = z * qscale;
+                        qt[y * rs + r] = z * qscale;
                     }
                 }
             } else if !direct {
                 for y in 0..d {
-                    qt[y * rp + r] = 0.0;
+                    qt[y * rs + r] = 0.0;
                 }
             }
         }
@@ -778,7 +793,7 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
         // several heads reads whole token rows (decode).
         for x in 0..rw.nkh {
             let kh = rw.kh0 + x;
-            let qt = &qt[x * d * rp..(x + 1) * d * rp];
+            let qt = &qt[x * d * rs..(x + 1) * d * rs];
             let o = &mut o[x * rp * dp..(x + 1) * rp * dp];
             let (m, l) = (&mut m[x * rp..(x + 1) * rp], &mut l[x * rp..(x + 1) * rp]);
             let (alpha, slope) = (&mut alpha[x * rp..(x + 1) * rp], &slope[x * rp..(x + 1) * rp]);
@@ -796,7 +811,7 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
                     // SAFETY: `S` is present; qx holds `rows` rows of `dp >= d`; the k row has `d`
                     // elements; row jj of `s` has rp == LANES elements (rows <= 4).
                     unsafe {
-                        let (qp, kp, sp) = (qx.as_ptr(), ctx.k[kr..kr + d].as_ptr(), s.as_mut_ptr().add(jj * rp));
+                        let (qp, kp, sp) = (qx.as_ptr(), ctx.k[kr..kr + d].as_ptr(), s.as_mut_ptr().add(jj * rs));
                         match rows {
                             1 => dot_rows::<S, T, 1>(qp, dp, kp, d, sp),
                             2 => dot_rows::<S, T, 2>(qp, dp, kp, d, sp),
@@ -827,7 +842,7 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
                 let ca = rr.clone().filter(|&r| a[r] < e[r]).map(|r| a[r]).min();
                 if let Some(ca) = ca {
                     let ce = rr.map(|r| e[r]).max().unwrap_or(0);
-                    let dims = (rp, dp, d);
+                    let dims = (rs, dp, d);
                     // Keys ca..ce in groups of MR (the packed tile has BK rows, a multiple of MR).
                     let mut j = ca / mk * mk;
                     while j < ce {
@@ -866,7 +881,7 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
                 if slow {
                     for j in va..ve {
                         for r in rr.clone() {
-                            let x = &mut s[j * rp + r];
+                            let x = &mut s[j * rs + r];
                             if j < a[r] || j >= e[r] {
                                 *x = f32::NEG_INFINITY;
                                 continue;
@@ -888,12 +903,12 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
                     let mut mx = S::splat(f32::NEG_INFINITY);
                     if full || slow {
                         for j in va..ve {
-                            mx = S::max(mx, S::load(sp.add(j * rp + r0)));
+                            mx = S::max(mx, S::load(sp.add(j * rs + r0)));
                         }
                     } else {
                         for j in va..ve {
-                            let x = S::mask_range(S::load(sp.add(j * rp + r0)), j as f32, avec, evec);
-                            S::store(sp.add(j * rp + r0), x);
+                            let x = S::mask_range(S::load(sp.add(j * rs + r0)), j as f32, avec, evec);
+                            S::store(sp.add(j * rs + r0), x);
                             mx = S::max(mx, x);
                         }
                     }
@@ -903,8 +918,8 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
                     let al = S::exp2(S::sub(m_old, m_use));
                     let mut sum = S::zero();
                     for j in va..ve {
-                        let x = S::exp2(S::sub(S::load(sp.add(j * rp + r0)), m_use));
-                        S::store(sp.add(j * rp + r0), x);
+                        let x = S::exp2(S::sub(S::load(sp.add(j * rs + r0)), m_use));
+                        S::store(sp.add(j * rs + r0), x);
                         sum = S::add(sum, x);
                     }
                     S::store(m.as_mut_ptr().add(r0), m_new);
@@ -920,7 +935,7 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
                     o[r * dp..(r + 1) * dp].iter_mut().for_each(|x| *x *= f);
                 }
             }
-            let dims = (rp, dp);
+            let dims = (rs, dp);
             let (sp, vpp, op) = (s.as_ptr(), vp.as_ptr(), o.as_mut_ptr());
             let mut r0 = 0;
             while r0 < rows {
