@@ -51,7 +51,7 @@ const MAX_LANES: usize = 16;
 /// 8 or 4 of the L1's 64 sets, fewer lines than one kernel call touches, so they evicted each
 /// other. (The packed k and v tiles, 512-byte rows at D 128 f32, timed no faster off it.)
 const fn row_stride(rp: usize) -> usize {
-    if rp >= 4 * MAX_LANES && (rp / MAX_LANES) % 2 == 0 {
+    if rp >= 4 * MAX_LANES && (rp / MAX_LANES).is_multiple_of(2) {
         rp + MAX_LANES
     } else {
         rp
