@@ -62,9 +62,16 @@ pub(crate) struct Mended {
 /// Validated without naga's control-flow uniformity analysis: the kernel branches around
 /// cooperative operations on values uniform in a subgroup (`subgroupAny`), and the analysis knows
 /// only workgroup uniformity. Every other rule is checked.
+///
+/// Array indices are not clamped (buffer accesses are): every index of that shader is in range by
+/// construction (its header says why), as in the micro-tile kernel ([`mt_module`]).
+/// `ATTNKIT_WGPU_COOP_INDEX_CHECKS=1` restores the clamps (A/B).
 pub(crate) fn coop_module(src: &str) -> Result<Vec<u32>> {
     let flags = naga::valid::ValidationFlags::all() - naga::valid::ValidationFlags::CONTROL_FLOW_UNIFORMITY;
-    module(src, (1, 5), naga::proc::BoundsCheckPolicy::Restrict, flags)
+    let restrict = std::env::var("ATTNKIT_WGPU_COOP_INDEX_CHECKS").is_ok_and(|v| v == "1");
+    let index =
+        if restrict { naga::proc::BoundsCheckPolicy::Restrict } else { naga::proc::BoundsCheckPolicy::Unchecked };
+    module(src, (1, 5), index, flags)
 }
 
 /// The micro-tile kernel's WGSL as SPIR-V 1.3 (Vulkan 1.1) with every storage-buffer access
