@@ -295,13 +295,12 @@ pub(crate) struct Plan {
 impl Plan {
     pub(crate) fn new(c: &Checked<'_>) -> Plan {
         let g = c.group();
-        let rows = ROWS;
-        let hn = g.min(rows);
+        let hn = g.min(ROWS);
         let hparts = g.div_ceil(hn);
-        let bq = (rows / hn).max(1).min(c.max_q.max(1));
+        let bq = (ROWS / hn).max(1).min(c.max_q.max(1));
         // Few rows per kv head (decode): a task takes several kv heads, so it reads whole token
         // rows (every head of a token is adjacent) instead of a short strided run per head.
-        let nh = (rows / (bq * hn)).clamp(1, c.hkv);
+        let nh = (ROWS / (bq * hn)).clamp(1, c.hkv);
         let groups: usize =
             (0..c.batch).map(|b| c.seq(b).q_len.div_ceil(bq)).sum::<usize>() * c.hkv.div_ceil(nh) * hparts;
         // Fewer tasks than a few per thread: split the keys (flash-decoding), at least two tiles each.

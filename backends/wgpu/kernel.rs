@@ -371,9 +371,10 @@ fn coop_pipeline(device: &::wgpu::Device, src: &str) -> Result<::wgpu::ComputePi
     // construction (flash_attn_coop.wgsl's header: rows below their region's rows times the row
     // stride, plus a column below the row's width; `wgsl_backend`'s coop tests and the
     // conformance suite run this path, `ATTNKIT_WGPU_COOP_INDEX_CHECKS=1` clamps them), changed
-    // afterwards only by memory-operand and barrier-semantics flags that the Vulkan memory model (which the module
-    // declares) defines; its bindings are the flash kernels' eight, and the device has the
-    // cooperative-matrix, f16 and subgroup features the module uses (`COOP_FEATURES`).
+    // afterwards only by memory-operand and barrier-semantics flags that the Vulkan memory model
+    // (which the module declares) defines; its bindings are the flash kernels' eight, and the
+    // device has the cooperative-matrix, f16 and subgroup features the module uses
+    // (`COOP_FEATURES`).
     Ok(unsafe { passthrough_pipeline(device, words, "attnkit flash_attn_coop") })
 }
 

@@ -68,10 +68,7 @@ pub(crate) struct Mended {
 /// `ATTNKIT_WGPU_COOP_INDEX_CHECKS=1` restores the clamps (A/B).
 pub(crate) fn coop_module(src: &str) -> Result<Vec<u32>> {
     let flags = naga::valid::ValidationFlags::all() - naga::valid::ValidationFlags::CONTROL_FLOW_UNIFORMITY;
-    let restrict = std::env::var("ATTNKIT_WGPU_COOP_INDEX_CHECKS").is_ok_and(|v| v == "1");
-    let index =
-        if restrict { naga::proc::BoundsCheckPolicy::Restrict } else { naga::proc::BoundsCheckPolicy::Unchecked };
-    module(src, (1, 5), index, flags)
+    module(src, (1, 5), array_index_policy("ATTNKIT_WGPU_COOP_INDEX_CHECKS"), flags)
 }
 
 /// The micro-tile kernel's WGSL as SPIR-V 1.3 (Vulkan 1.1) with every storage-buffer access
@@ -81,10 +78,17 @@ pub(crate) fn coop_module(src: &str) -> Result<Vec<u32>> {
 /// keeps the driver from folding the loads' constant offsets. `ATTNKIT_WGPU_MT_INDEX_CHECKS=1`
 /// restores the clamps (A/B).
 pub(crate) fn mt_module(src: &str) -> Result<Vec<u32>> {
-    let restrict = std::env::var("ATTNKIT_WGPU_MT_INDEX_CHECKS").is_ok_and(|v| v == "1");
-    let index =
-        if restrict { naga::proc::BoundsCheckPolicy::Restrict } else { naga::proc::BoundsCheckPolicy::Unchecked };
-    module(src, (1, 3), index, naga::valid::ValidationFlags::all())
+    module(src, (1, 3), array_index_policy("ATTNKIT_WGPU_MT_INDEX_CHECKS"), naga::valid::ValidationFlags::all())
+}
+
+/// Array indices of a kernel whose indices are in range by construction: unclamped, unless the
+/// environment variable `var` is `1` (clamped, for A/B timing).
+fn array_index_policy(var: &str) -> naga::proc::BoundsCheckPolicy {
+    if std::env::var(var).is_ok_and(|v| v == "1") {
+        naga::proc::BoundsCheckPolicy::Restrict
+    } else {
+        naga::proc::BoundsCheckPolicy::Unchecked
+    }
 }
 
 /// `src` as SPIR-V `lang` with array indices under `index` and buffer accesses clamped, validated
