@@ -8,14 +8,17 @@
 // 16-row strip s. Per tile of BK keys:
 //   1. the K and V tiles (prefetched into registers during the previous tile) are stored as f16
 //      into one of two workgroup buffers (tiles alternate, so no barrier ends a tile); the next
-//      tile's loads are issued;
-//   2. S = Q K^T on the matrices (Q stays in registers as A matrices for the whole loop), stored
-//      to the subgroup's scratch rows;
-//   3. softmax: two invocations per row, each over half the tile's keys (one shuffle joins
-//      them). The row keeps a reference max m and rescales its output only when a score exceeds
-//      m + TAU (then m moves to the tile max): P = exp(S - m) <= e^TAU fits f16, and most tiles
-//      need no rescale. When any row of a subgroup with mass moved its m, that subgroup's output
-//      matrices go through its scratch rows to be scaled;
+//      tile's loads are issued. A tile that every row of the workgroup sees whole (a "clean"
+//      tile) is stored as loaded; others have their keys past the end and V's non-finite values
+//      zeroed;
+//   2. S = Q K^T on the matrices (Q, scaled by scale * log2(e) once, stays in registers as A
+//      matrices for the whole loop), two key blocks at a time, stored to the subgroup's scratch
+//      rows;
+//   3. softmax in log2 units: two invocations per row, each over half the tile's keys (one
+//      shuffle joins them). The row keeps a reference max m and rescales its output only when a
+//      score exceeds m + TAU (then m moves to the tile max): P = 2^(S - m) <= 2^TAU fits f16, and
+//      most tiles need no rescale. When any row of a subgroup with mass moved its m, that
+//      subgroup's output matrices go through its scratch rows to be scaled;
 //   4. O += P V on the matrices.
 // `coopLoad` reads column-major, `coopLoadT` row-major (element (r, c) at r * stride + c).
 //
@@ -45,6 +48,8 @@ const BK: u32 = 32u; // @spec keys per tile, a multiple of 16, at least 8 * NW
 // state and key range; 6 writes the first tile's K rows as plain loads read them from workgroup
 // memory, 7 the first K^T block as the cooperative load read it (row r of the output: d = r).
 const DEBUG: u32 = 0u; // @spec
+const LOG2E: f32 = 1.4426950408889634;
+const LN2: f32 = 0.6931471805599453;
 
 const BQ: u32 = 16u * NW;
 const WG: u32 = 32u * NW;
@@ -109,6 +114,34 @@ fn kv_words(x: u32, j0: i32, end: i32, kvi: Kv, hkv: u32, kh: u32) -> vec4<u32> 
     let j = max(min(j0 + i32(xc / D4), end - 1), 0);
     let e = (k_row(kvi, u32(j)) * hkv + kh) * D4 + xc % D4;
     return vec4<u32>(kb[e], vb[e]);
+}
+
+// The K and V words of the tile starting at key `j0` into the tile buffer at `kb`. Keys past
+// `end` are zeroed (their words were loaded from a clamped index), and non-finite values of V
+// too: a row that cannot see one would otherwise get 0 * NaN. A clean tile (every row of the
+// workgroup sees every key) needs neither: it goes as loaded.
+fn stage(kb: u32, j0: i32, clean: bool, end: i32, tid: u32, kw: ptr<function, array<vec2<u32>, LW>>, vw: ptr<function, array<vec2<u32>, LW>>) {
+    if (clean) {
+        for (var it = 0u; it < LW; it++) {
+            let x = tid + it * WG;
+            if (x < BK * D4) {
+                let off = (x / D4) * KS + (x % D4) * 4u;
+                put4(kb + off, (*kw)[it]);
+                put4(kb + BK * KS + off, (*vw)[it]);
+            }
+        }
+        return;
+    }
+    for (var it = 0u; it < LW; it++) {
+        let x = tid + it * WG;
+        if (x < BK * D4) {
+            let off = (x / D4) * KS + (x % D4) * 4u;
+            let live = j0 + i32(x / D4) < end;
+            let v = vec2<u32>(finite_h2((*vw)[it].x), finite_h2((*vw)[it].y));
+            put4(kb + off, select(vec2<u32>(0u), (*kw)[it], live));
+            put4(kb + BK * KS + off, select(vec2<u32>(0u), v, live));
+        }
+    }
 }
 
 // K^T block (d block n, keys of block kb2) as a column-major B matrix: (d, j) at kvs[j * KS + d].
@@ -201,6 +234,8 @@ fn main(
     // Union of the visible key intervals of the tile's rows.
     var lo_u = i32(s.kl);
     var hi_u = 0;
+    var lo_x = 0;
+    var hi_n = i32(s.kl);
     for (var rr = 0u; rr < BQ; rr++) {
         if (i0 + rr < s.ql) {
             let kr = key_range(i0 + rr, s);
@@ -208,6 +243,8 @@ fn main(
                 lo_u = min(lo_u, kr.x);
                 hi_u = max(hi_u, kr.y);
             }
+            lo_x = max(lo_x, kr.x);
+            hi_n = min(hi_n, kr.y);
         }
     }
     var st = lo_u;
@@ -244,12 +281,15 @@ fn main(
     let lo = max(kr.x, start);
     let hi = min(kr.y, end);
     let ia = i32(i) + i32(s.kl) - i32(s.ql);
-    let scale = bitcast<f32>(md[M_SCALE]);
-    let cap = bitcast<f32>(md[M_CAP]);
+    // Q carries scale * log2(e), so scores come out in log2 units: so do the cap, the slope and
+    // the running max m (the probabilities are powers of 2).
+    let cap = bitcast<f32>(md[M_CAP]) * LOG2E;
+    slope *= LOG2E;
     let srow = sg * 16u * SS + (lane / 2u) * SS; // this row in the scratch
     let prow = sg * 16u * PS + (lane / 2u) * PS; // this row of P
 
-    // Q tile through `kvs` into A matrices.
+    // Q tile, times scale * log2(e), through `kvs` into A matrices.
+    let qs = bitcast<f32>(md[M_SCALE]) * LOG2E;
     for (var it = 0u; it < (BQ * D4 + WG - 1u) / WG; it++) {
         let x = tid + it * WG;
         if (x < BQ * D4) {
@@ -258,7 +298,14 @@ fn main(
             if (i0 + rr < s.ql) {
                 w = qb[((s.q0 + i0 + rr) * hq + h) * D4 + x % D4];
             }
-            put4(rr * KS + (x % D4) * 4u, w);
+            // Scaled, rounded to f16 (a relative 2^-11 per element).
+            let a = unpack2x16float(w.x) * qs;
+            let c = unpack2x16float(w.y) * qs;
+            let at = rr * KS + (x % D4) * 4u;
+            kvs[at] = f16(a.x);
+            kvs[at + 1u] = f16(a.y);
+            kvs[at + 2u] = f16(c.x);
+            kvs[at + 3u] = f16(c.y);
         }
     }
     workgroupBarrier();
@@ -307,16 +354,7 @@ fn main(
         let kb = parity * 2u * BK * KS;
         parity ^= 1u;
         // 1. This tile into workgroup memory; the next tile's loads in flight.
-        for (var it = 0u; it < LW; it++) {
-            let x = tid + it * WG;
-            if (x < BK * D4) {
-                let off = (x / D4) * KS + (x % D4) * 4u;
-                // Keys past the end: zero (their words were loaded from a clamped index).
-                let live = j0 + i32(x / D4) < end;
-                put4(kb + off, select(vec2<u32>(0u), kw[it], live));
-                put4(kb + BK * KS + off, select(vec2<u32>(0u), vec2<u32>(finite_h2(vw[it].x), finite_h2(vw[it].y)), live));
-            }
-        }
+        stage(kb, j0, j0 >= lo_x && j0 + i32(BK) <= min(hi_n, end), end, tid, &kw, &vw);
         workgroupBarrier();
         let jn = j0 + i32(BK);
         for (var it = 0u; it < LW; it++) {
@@ -339,17 +377,25 @@ fn main(
         }
 
         // 2. S = Q K^T. K^T as a column-major B matrix: element (d, j) at kvs[j * KS + d].
-        for (var kb2 = 0u; kb2 < KM; kb2++) {
-            var acc = coop_mat16x16<f32, C>();
-            acc = coopMultiplyAdd(q0, kt(kb, kb2, 0u), acc);
-            if (DM > 1u) { acc = coopMultiplyAdd(q1, kt(kb, kb2, 1u), acc); }
-            if (DM > 2u) { acc = coopMultiplyAdd(q2, kt(kb, kb2, 2u), acc); }
-            if (DM > 3u) { acc = coopMultiplyAdd(q3, kt(kb, kb2, 3u), acc); }
-            if (DM > 4u) { acc = coopMultiplyAdd(q4, kt(kb, kb2, 4u), acc); }
-            if (DM > 5u) { acc = coopMultiplyAdd(q5, kt(kb, kb2, 5u), acc); }
-            if (DM > 6u) { acc = coopMultiplyAdd(q6, kt(kb, kb2, 6u), acc); }
-            if (DM > 7u) { acc = coopMultiplyAdd(q7, kt(kb, kb2, 7u), acc); }
-            coopStoreT(acc, &ss[sg * 16u * SS + kb2 * 16u], SS);
+        // Key blocks in pairs: two independent chains of products (one chain at a time left the
+        // tensor cores waiting on each product's result).
+        for (var kp = 0u; kp < KM; kp += 2u) {
+            let k1 = min(kp + 1u, KM - 1u);
+            var c0 = coop_mat16x16<f32, C>();
+            var c1 = coop_mat16x16<f32, C>();
+            c0 = coopMultiplyAdd(q0, kt(kb, kp, 0u), c0);
+            c1 = coopMultiplyAdd(q0, kt(kb, k1, 0u), c1);
+            if (DM > 1u) { c0 = coopMultiplyAdd(q1, kt(kb, kp, 1u), c0); c1 = coopMultiplyAdd(q1, kt(kb, k1, 1u), c1); }
+            if (DM > 2u) { c0 = coopMultiplyAdd(q2, kt(kb, kp, 2u), c0); c1 = coopMultiplyAdd(q2, kt(kb, k1, 2u), c1); }
+            if (DM > 3u) { c0 = coopMultiplyAdd(q3, kt(kb, kp, 3u), c0); c1 = coopMultiplyAdd(q3, kt(kb, k1, 3u), c1); }
+            if (DM > 4u) { c0 = coopMultiplyAdd(q4, kt(kb, kp, 4u), c0); c1 = coopMultiplyAdd(q4, kt(kb, k1, 4u), c1); }
+            if (DM > 5u) { c0 = coopMultiplyAdd(q5, kt(kb, kp, 5u), c0); c1 = coopMultiplyAdd(q5, kt(kb, k1, 5u), c1); }
+            if (DM > 6u) { c0 = coopMultiplyAdd(q6, kt(kb, kp, 6u), c0); c1 = coopMultiplyAdd(q6, kt(kb, k1, 6u), c1); }
+            if (DM > 7u) { c0 = coopMultiplyAdd(q7, kt(kb, kp, 7u), c0); c1 = coopMultiplyAdd(q7, kt(kb, k1, 7u), c1); }
+            coopStoreT(c0, &ss[sg * 16u * SS + kp * 16u], SS);
+            if (k1 > kp) {
+                coopStoreT(c1, &ss[sg * 16u * SS + k1 * 16u], SS);
+            }
         }
         sync_rows();
         if (DEBUG == 2u) {
@@ -365,7 +411,7 @@ fn main(
         let jb = j0 + i32(half * HK);
         for (var n = 0u; n < HK / 4u; n++) {
             let x = srow + half * HK + n * 4u;
-            sc[n] = scale * vec4<f32>(ss[x], ss[x + 1u], ss[x + 2u], ss[x + 3u]);
+            sc[n] = vec4<f32>(ss[x], ss[x + 1u], ss[x + 2u], ss[x + 3u]);
         }
         if (cap > 0.0) {
             for (var n = 0u; n < HK / 4u; n++) {
@@ -397,7 +443,7 @@ fn main(
         let lrow = l + subgroupShuffleXor(l, 1u);
         var moved = false;
         if (mt > m + TAU) {
-            alpha = exp(m - mt);
+            alpha = exp2(m - mt);
             m = mt;
             // A row with no mass yet has a zero output: nothing to rescale.
             moved = lrow > 0.0;
@@ -405,7 +451,7 @@ fn main(
         var sum4 = vec4<f32>(0.0);
         for (var n = 0u; n < HK / 4u; n++) {
             let x = sc[n];
-            let p = select(vec4<f32>(0.0), exp(x - vec4<f32>(m)), x > vec4<f32>(MASKED));
+            let p = select(vec4<f32>(0.0), exp2(x - vec4<f32>(m)), x > vec4<f32>(MASKED));
             sum4 += p;
             let y = prow + half * HK + n * 4u;
             ps[y] = f16(p.x);
@@ -475,7 +521,7 @@ fn main(
         }
         ss[AL + r] = inv;
         if (i < s.ql) {
-            put_lse(b, s, i, h, m, lt, split, splits);
+            put_lse(b, s, i, h, m * LN2, lt, split, splits);
         }
     }
     emit(o0, 0u, sg, lane, i0, s, h, hq, split, splits);
