@@ -401,7 +401,8 @@ fn case_of(layout: LayoutKind, dtype: DType, lens: Vec<(usize, usize)>) -> Case 
 /// `ATTNKIT_WGPU_COOP_DEBUG=2|3|4|5 ... --ignored --nocapture`: the kernel stops after its first
 /// key tile and writes the first tile's scores Q Kᵀ (2), probabilities (3), unnormalised output
 /// P V (4), or its softmax state and key range (5) into the first columns of each row; this test
-/// computes the same on the CPU and prints both for a few rows.
+/// computes the same on the CPU and prints both for a few rows. The kernel's scores and running
+/// max are in log2 units (its Q carries scale * log2(e)); its probabilities are the same.
 #[test]
 #[ignore]
 fn coop_debug_stage() {
@@ -426,11 +427,12 @@ fn coop_debug_stage() {
             let m = (0..tile).map(|c| scale * s(r, c)).fold(f64::MIN, f64::max);
             let p = |c: usize| half::f16::from_f64((scale * s(r, c) - m).exp()).to_f64();
             let l: f64 = (0..tile).map(|c| (scale * s(r, c) - m).exp()).sum();
+            let log2e = std::f64::consts::LOG2_E;
             let want: Vec<f64> = match stage {
-                2 => (0..16).map(|c| if c < tile { s(r, c) } else { 0.0 }).collect(),
+                2 => (0..16).map(|c| if c < tile { scale * log2e * s(r, c) } else { 0.0 }).collect(),
                 3 => (0..16).map(|c| if c < tile { p(c) } else { 0.0 }).collect(),
                 4 => (0..16).map(|x| (0..tile).map(|c| p(c) * v[c * d + x]).sum()).collect(),
-                _ => vec![m, l, m, 0.0, 0.0, kl as f64, 0.0, kl as f64],
+                _ => vec![m * log2e, l, m * log2e, 0.0, 0.0, kl as f64, 0.0, kl as f64],
             };
             let n = want.len();
             let row = &got[r * d..r * d + n];
@@ -450,7 +452,9 @@ fn coop_debug_stage() {
 
 /// With `ATTNKIT_WGPU_COOP_DEBUG=2`: which K elements the first tile's scores read. Q is the
 /// identity (row r picks column r), so score (r, c) is the element the kernel saw as K[c][r];
-/// K[j][x] = j + x / 64 names its own place. Prints every place read wrong.
+/// K[j][x] = j + x / 64 names its own place. The softmax scale is ln(2) / 8, so that the kernel's
+/// Q, which carries scale * log2(e), is Q / 8 exactly and every score is a place over 8. Prints
+/// every place read wrong.
 #[test]
 #[ignore]
 fn coop_debug_scores_by_place() {
@@ -460,6 +464,7 @@ fn coop_debug_scores_by_place() {
     let (d, n) = (64, 64);
     let mut case = case_of(LayoutKind::Dense, DType::F16, vec![(n, n)]);
     (case.hkv, case.group, case.d) = (1, 1, d);
+    case.params.scale = Some(std::f32::consts::LN_2 / 8.0);
     let mut built = case.build();
     let eye: Vec<f64> = (0..n * d).map(|i| if i / d == i % d { 1.0 } else { 0.0 }).collect();
     let named: Vec<f64> = (0..n * d).map(|i| ((i / d) % 32) as f64 + (i % d) as f64 / 64.0).collect();
@@ -472,7 +477,7 @@ fn coop_debug_scores_by_place() {
         let mut shown = 0;
         for r in 0..n {
             for c in 0..16 {
-                let v = got[r * d + c];
+                let v = got[r * d + c] * 8.0;
                 let (a, b) = if side == "K" { (c, r) } else { (r % 32, c) };
                 let want = a as f64 + b as f64 / 64.0;
                 if (v - want).abs() > 1e-3 {
