@@ -377,8 +377,9 @@ fn main(
         }
 
         // 2. S = Q K^T. K^T as a column-major B matrix: element (d, j) at kvs[j * KS + d].
-        // Key blocks in pairs: two independent chains of products (one chain at a time left the
-        // tensor cores waiting on each product's result).
+        // Key blocks in pairs, as two independent chains of products (alone no faster on an H100,
+        // but 10% with the clean tiles and the log2 softmax together: docs/PERF_NOTES.md, wgpu
+        // v14). With a single key block (KM 1) the second chain repeats the first, unstored.
         for (var kp = 0u; kp < KM; kp += 2u) {
             let k1 = min(kp + 1u, KM - 1u);
             var c0 = coop_mat16x16<f32, C>();
