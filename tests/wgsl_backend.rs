@@ -60,13 +60,13 @@ fn split_kv_matches_reference() {
         let seed = rng.next_u64();
         let case = random_case(&mut rng, seed);
         be.set_kv_splits(Some([2, 3, 7, 64][n % 4]));
-        be.set_kernel(Some([Kernel::Rows, Kernel::MicroTile][n % 2]));
+        be.set_kernel(Some([Kernel::Rows, Kernel::MicroTile, Kernel::Packed][n % 3]));
         check_against_reference(&be, &case).unwrap_or_else(|e| panic!("splits {:?}: {e}", [2, 3, 7, 64][n % 4]));
     }
 }
 
 #[test]
-fn both_kernels_match_reference() {
+fn every_portable_kernel_matches_reference() {
     let Some(mut be) = be() else { return };
     // On Vulkan the micro-tile kernel runs from attnkit's own SPIR-V without index clamps, and
     // this test (with the conformance suite) checks that path.
@@ -87,10 +87,77 @@ fn both_kernels_match_reference() {
             let l0 = (case.lens[0].0.max(1), case.lens[0].1.max(1));
             case.lens.iter_mut().for_each(|l| *l = l0);
         }
-        let kernel = [Kernel::Rows, Kernel::MicroTile][n % 2];
+        let kernel = [Kernel::Rows, Kernel::MicroTile, Kernel::Packed][n % 3];
         be.set_kernel(Some(kernel));
-        be.set_kv_splits(if n % 3 == 0 { Some(3) } else { None });
+        be.set_kv_splits(if n % 2 == 0 { Some(3) } else { None });
         check_against_reference(&be, &case).unwrap_or_else(|e| panic!("{kernel:?}: {e}"));
+    }
+}
+
+/// The packed kernel on cases made for it: its dtypes (f16, bf16) and head dims (up to 128), query
+/// sequences long enough for full and ragged tiles of 32 rows, split and unsplit.
+#[test]
+fn packed_kernel_matches_reference() {
+    let Some(mut be) = be() else { return };
+    be.set_kernel(Some(Kernel::Packed));
+    let mut rng = Rng::new(0xfac7);
+    for n in 0..case_count().max(8) {
+        let seed = rng.next_u64();
+        let mut case = random_case(&mut rng, seed);
+        case.dtype = [DType::F16, DType::BF16][n % 2];
+        case.d = [4, 8, 24, 64, 96, 128][rng.below(6)];
+        for l in case.lens.iter_mut() {
+            l.0 = (l.0 * 17 + rng.below(40)) % 90;
+        }
+        if case.layout == LayoutKind::Dense {
+            let l0 = (case.lens[0].0.max(1), case.lens[0].1.max(1));
+            case.lens.iter_mut().for_each(|l| *l = l0);
+        }
+        be.set_kv_splits(if n % 3 == 0 { Some(3) } else { None });
+        check_against_reference(&be, &case).unwrap_or_else(|e| panic!("packed, case {n}: {e}"));
+    }
+}
+
+/// A non-finite value that some rows of a tile see and others do not stays in the rows that see
+/// it: causal, V of key 40 NaN (Inf for half the cases), every portable kernel and dtype. Rows 0-39
+/// cannot see key 40 and must match the reference; the kernels scrub V where a tile is not seen
+/// whole by every row.
+#[test]
+fn non_finite_value_stays_in_the_rows_that_see_it() {
+    let Some(mut be) = be() else { return };
+    for (n, kernel) in [Kernel::Rows, Kernel::MicroTile, Kernel::Packed].into_iter().enumerate() {
+        for (m, dtype) in DType::FLOATS.into_iter().enumerate() {
+            let (sq, d) = (70, 64);
+            let c = Case {
+                layout: LayoutKind::Dense,
+                dtype,
+                lens: vec![(sq, sq)],
+                hkv: 1,
+                group: 2,
+                d,
+                params: Params { causal: true, ..Params::default() },
+                alibi: false,
+                block_size: 16,
+                lse: false,
+                seed: 11,
+            };
+            let mut built = c.build();
+            let mut v = built.v.to_f64_vec().unwrap();
+            let bad = if (n + m) % 2 == 0 { f64::NAN } else { f64::INFINITY };
+            v[40 * d..41 * d].iter_mut().for_each(|x| *x = bad);
+            built.v = Tensor::from_f64(built.v.shape(), dtype, &v).unwrap();
+            be.set_kernel(Some(kernel));
+            let got = run_on(&be, &c, &built).unwrap_or_else(|e| panic!("{kernel:?} {dtype:?}: {e}"));
+            let (want, _) = reference(&c, &built);
+            let rows = 40 * 2 * d; // queries 0-39, both heads
+            let (atol, rtol) = tol(dtype);
+            check_close("out", &got.out[..rows], &want[..rows], atol, rtol)
+                .unwrap_or_else(|e| panic!("{kernel:?} {dtype:?}: {e}"));
+            assert!(
+                got.out[..rows].iter().all(|x| x.is_finite()),
+                "{kernel:?} {dtype:?}: a non-finite value crossed rows"
+            );
+        }
     }
 }
 

@@ -164,24 +164,36 @@ fn bench() {
         wgpu.capabilities().head_dims
     );
     let cuda = attnkit::by_name("cuda").ok();
-    // The other kernel variant on the f16 prefill and MHA decode shapes, for the notes.
+    // The other kernel variants on the prefill and MHA decode shapes, for the notes.
     let mut rows = wgpu.clone();
     rows.set_kernel(Some(attnkit::wgpu::Kernel::Rows));
     let mut mt = wgpu.clone();
     mt.set_kernel(Some(attnkit::wgpu::Kernel::MicroTile));
+    let mut packed = wgpu.clone();
+    packed.set_kernel(Some(attnkit::wgpu::Kernel::Packed));
     let mut rng = Rng::new(1);
-    eprintln!("| shape | wgpu ms | wgpu TFLOP/s | wgpu KV GB/s | cuda ms | wgpu/cuda time | other wgpu kernel ms |");
+    eprintln!("| shape | wgpu ms | wgpu TFLOP/s | wgpu KV GB/s | cuda ms | wgpu/cuda time | other wgpu kernels ms |");
     eprintln!("|---|---|---|---|---|---|---|");
     // `ATTNKIT_BENCH_ONLY=text`: only the shapes whose name contains it (for tuning sweeps).
     let only = std::env::var("ATTNKIT_BENCH_ONLY").unwrap_or_default();
     for s in shapes.iter().filter(|s| s.name().contains(&only)) {
-        // Prefill: the portable micro-tile kernel where the default is the cooperative-matrix one;
-        // timed on the same inputs as the default (same device).
-        let other = if s.block != 0 || wgpu.has_cooperative_matrices() { &mt } else { &rows };
-        let with_other = s.dtype == DType::F16 && !s.causal || s.hkv == 32;
-        let bes: &[&dyn AttentionBackend] = if with_other { &[&wgpu, other] } else { &[&wgpu] };
-        let (tw, to) = match time_each(bes, s, &mut rng) {
-            Ok(t) => (t[0], t.get(1).copied()),
+        // Prefill (non-causal f16 and bf16): the portable kernels, packed and micro-tile, where
+        // the default is another one; decode: the micro-tile kernel; timed on the same inputs as
+        // the default (same device).
+        let mut bes: Vec<&dyn AttentionBackend> = vec![&wgpu];
+        if s.block != 0 && s.hkv == 32 {
+            bes.push(&mt);
+        } else if s.block == 0 && !s.causal && s.dtype != DType::F32 {
+            if s.dtype == DType::F16 && wgpu.has_cooperative_matrices() {
+                bes.push(&packed);
+            }
+            bes.push(&mt);
+        }
+        let (tw, to) = match time_each(&bes, s, &mut rng) {
+            Ok(t) => (
+                t[0],
+                (t.len() > 1).then(|| t[1..].iter().map(|x| format!("{:.3}", x * 1e3)).collect::<Vec<_>>().join(" / ")),
+            ),
             Err(e) => {
                 eprintln!("| {} | error: {e} |", s.name());
                 continue;
@@ -196,7 +208,7 @@ fn bench() {
             s.kv_bytes() / tw / 1e9,
             tc.map(|t| format!("{:.3}", t * 1e3)).unwrap_or("-".into()),
             tc.map(|t| format!("{:.2}", tw / t)).unwrap_or("-".into()),
-            to.map(|t| format!("{:.3}", t * 1e3)).unwrap_or("-".into()),
+            to.unwrap_or("-".into()),
         );
     }
 }

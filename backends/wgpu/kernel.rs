@@ -11,6 +11,7 @@ use crate::validate::Checked;
 
 const FLASH_SRC: &str = include_str!("../../shaders/flash_attn.wgsl");
 const FLASH_MT_SRC: &str = include_str!("../../shaders/flash_attn_mt.wgsl");
+const FLASH_PACKED_SRC: &str = include_str!("../../shaders/flash_attn_packed.wgsl");
 const FLASH_COOP_SRC: &str = include_str!("../../shaders/flash_attn_coop.wgsl");
 const COMBINE_SRC: &str = include_str!("../../shaders/combine.wgsl");
 /// Text the flash shaders share, put in place of their `// @include NAME` lines.
@@ -28,6 +29,10 @@ const HEADER: usize = 24;
 /// Micro-tile (rows, keys) tiles tried, largest first; keys >= rows / 1 so that there is a
 /// thread per row for the softmax (threads = rows * keys / 16 >= rows).
 const MT_TILES: [(usize, usize); 4] = [(32, 32), (16, 32), (32, 16), (16, 16)];
+/// Packed-kernel (rows, keys) tiles tried, largest first (rows / 4 and keys / 4 powers of two).
+const PACKED_TILES: [(usize, usize); 4] = [(32, 64), (16, 64), (32, 32), (16, 32)];
+/// Largest head dim of the packed kernel (its output block: 8 rows of `d / 4 / (keys / 4)` vec4s).
+const PACKED_MAX_D: usize = 128;
 
 /// Which kernel variant serves a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -39,6 +44,11 @@ pub enum Kernel {
     /// `flash_attn_mt.wgsl`: 4x4 register micro-tiles for scores and output. Chosen when a
     /// workgroup has 32 rows to fill (prefill).
     MicroTile,
+    /// `flash_attn_packed.wgsl`: f16/bf16 K/V tiles kept 16-bit in workgroup memory, 8x4 score
+    /// and 8-row output micro-tiles, 64-key tiles. Chosen for f16/bf16 calls where a workgroup
+    /// has 32 rows to fill and the cooperative-matrix kernel does not serve, head dims up to 128;
+    /// forced for another dtype or a larger head dim, the `MicroTile` kernel serves instead.
+    Packed,
     /// `flash_attn_coop.wgsl`: cooperative matrices (tensor cores), f16 only, head dims that are
     /// multiples of 32, on devices that have them ([`super::WgpuBackend::has_cooperative_matrices`]).
     /// Chosen for f16 calls of 32 or more queries where it fits (`ATTNKIT_WGPU_COOP=manual`: only
@@ -125,6 +135,9 @@ fn wg_bytes(p: &Plan, d: usize, wpc: usize) -> usize {
         }
         // Q^T, K^T-then-V, P^T, and a vec4 per (key group, row group) for the row maxima and sums.
         Kernel::MicroTile => (p.bq * d + p.bk * d + p.bk * p.bq) * 4 + p.bk * p.bq,
+        // Q^T in f32, K^T-then-V in 16-bit pairs, P^T in f32, a vec4 per (key group, row quad),
+        // a vec4 of row information per row.
+        Kernel::Packed => p.bq * d * 4 + p.bk * d * 2 + p.bk * p.bq * 4 + p.bk * p.bq + p.bq * 16,
         // Two buffers of K and V tiles in f16 (rows padded by 8), each subgroup's f32 scratch rows
         // and f16 P rows (both padded by 4), a factor per row and the key range (padded to 16 bytes).
         Kernel::Coop => 2 * 2 * p.bk * (d + 8) * 2 + p.nks * 16 * (p.bk + 4) * (4 + 2) + p.bq * 4 + 16,
@@ -162,6 +175,25 @@ fn mt_plan(d: usize, limit: u32) -> Option<Plan> {
     MT_TILES
         .into_iter()
         .map(|(bq, bk)| Plan { kernel: Kernel::MicroTile, bq, bk, nks: 0, pf: 0, tpk: 0 })
+        .find(|p| wg_bytes(p, d, 1) <= limit as usize)
+}
+
+fn packed_plan(d: usize, dt: DType, limit: u32) -> Option<Plan> {
+    if !matches!(dt, DType::F16 | DType::BF16) || d > PACKED_MAX_D {
+        return None;
+    }
+    // `ATTNKIT_WGPU_PACKED_TILE=rows,keys` tries that tile first (one of PACKED_TILES; tuning).
+    static FIRST: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
+    let first = *FIRST.get_or_init(|| {
+        let v = std::env::var("ATTNKIT_WGPU_PACKED_TILE").ok()?;
+        let (a, b) = v.split_once(',')?;
+        let t = (a.trim().parse().ok()?, b.trim().parse().ok()?);
+        PACKED_TILES.contains(&t).then_some(t)
+    });
+    first
+        .into_iter()
+        .chain(PACKED_TILES)
+        .map(|(bq, bk)| Plan { kernel: Kernel::Packed, bq, bk, nks: 0, pf: 0, tpk: 0 })
         .find(|p| wg_bytes(p, d, 1) <= limit as usize)
 }
 
@@ -213,11 +245,17 @@ fn plan(
     match forced {
         Some(Kernel::Rows) => rows_plan(d, wpc, 16, limit, t),
         Some(Kernel::MicroTile) => mt_plan(d, limit).or_else(|| rows_plan(d, wpc, 16, limit, t)),
-        Some(Kernel::Coop) => coop_plan(d, limit),
-        None if queries >= 32 && coop_fits(coop, dt, d) && super::coop_settings().auto => {
-            coop_plan(d, limit).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, rows, limit, t))
+        Some(Kernel::Packed) => {
+            packed_plan(d, dt, limit).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, 16, limit, t))
         }
-        None if rows >= 32 => mt_plan(d, limit).or_else(|| rows_plan(d, wpc, rows, limit, t)),
+        Some(Kernel::Coop) => coop_plan(d, limit),
+        None if queries >= 32 && coop_fits(coop, dt, d) && super::coop_settings().auto => coop_plan(d, limit)
+            .or_else(|| packed_plan(d, dt, limit))
+            .or_else(|| mt_plan(d, limit))
+            .or_else(|| rows_plan(d, wpc, rows, limit, t)),
+        None if rows >= 32 => {
+            packed_plan(d, dt, limit).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, rows, limit, t))
+        }
         None => rows_plan(d, wpc, rows, limit, t),
     }
 }
@@ -292,6 +330,10 @@ pub(crate) fn bench_modules() -> Result<Vec<(String, Vec<u32>)>> {
             let src = mt_source(d, dt as u32, &p);
             out.push((format!("micro-tile {dt} {}x{}", p.bq, p.bk), super::spirv::mt_module(&src)?));
         }
+        if let Some(p) = packed_plan(d, dt, limit) {
+            let src = packed_source(d, dt as u32, &p);
+            out.push((format!("packed {dt} {}x{}", p.bq, p.bk), super::spirv::mt_module(&src)?));
+        }
     }
     for rows in [1, 4] {
         let wpc = words_per_col(DType::F16);
@@ -320,6 +362,11 @@ pub(crate) fn bench_modules() -> Result<Vec<(String, Vec<u32>)>> {
 /// The micro-tile kernel's WGSL for storage dtype code `dt`, head dim `d` and plan `p`.
 pub(crate) fn mt_source(d: usize, dt: u32, p: &Plan) -> String {
     specialize(FLASH_MT_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk)])
+}
+
+/// The packed kernel's WGSL for storage dtype code `dt` (f16 or bf16), head dim `d` and plan `p`.
+pub(crate) fn packed_source(d: usize, dt: u32, p: &Plan) -> String {
+    specialize(FLASH_PACKED_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk)])
 }
 
 /// The cooperative-matrix kernel's WGSL for head dim `d`, `nw` subgroups and `bk` keys a tile.
@@ -380,16 +427,16 @@ fn coop_pipeline(device: &::wgpu::Device, src: &str) -> Result<::wgpu::ComputePi
 
 /// The micro-tile kernel's pipeline from its SPIR-V with unclamped array indices
 /// ([`super::spirv::mt_module`]), on a device with pass-through shaders.
-fn mt_pipeline(device: &::wgpu::Device, src: &str) -> Result<::wgpu::ComputePipeline> {
+fn mt_pipeline(device: &::wgpu::Device, src: &str, label: &str) -> Result<::wgpu::ComputePipeline> {
     let words = super::spirv::mt_module(src)?;
     // SAFETY: naga wrote the words from our own WGSL after validating it; every storage-buffer
     // access is clamped to its buffer (`Restrict`); the array indices are not, and every one of
-    // them is in range by construction (flash_attn_mt.wgsl: each workgroup and per-thread array
-    // index is a product of loop counters and thread coordinates below the array's extent, the
-    // XOR swizzles stay inside a power-of-two group count, and `wgsl_shaders` plus the
-    // conformance suite run this path); its bindings are the flash kernels' eight; the module
-    // uses no feature beyond core Vulkan 1.1 compute.
-    Ok(unsafe { passthrough_pipeline(device, words, "attnkit flash_attn_mt") })
+    // them is in range by construction (flash_attn_mt.wgsl and flash_attn_packed.wgsl: each
+    // workgroup and per-thread array index is a product of loop counters and thread coordinates
+    // below the array's extent, the XOR swizzles stay inside a power-of-two group count, and
+    // `wgsl_shaders` plus the conformance suite run this path); its bindings are the flash
+    // kernels' eight; the module uses no feature beyond core Vulkan 1.1 compute.
+    Ok(unsafe { passthrough_pipeline(device, words, label) })
 }
 
 /// A pipeline from SPIR-V words with the flash kernels' bind group layout spelled out (a
@@ -542,7 +589,15 @@ impl State {
                 lb,
             ),
             PipeKey::Flash(_, d, p) if p.kernel == Kernel::Coop => coop_pipeline(device, &coop_source(d, p.nks, p.bk))?,
-            PipeKey::Flash(dt, d, p) if self.mt_passthrough => mt_pipeline(device, &mt_source(d, dt, &p))?,
+            PipeKey::Flash(dt, d, p) if p.kernel == Kernel::Packed && self.mt_passthrough => {
+                mt_pipeline(device, &packed_source(d, dt, &p), "attnkit flash_attn_packed")?
+            }
+            PipeKey::Flash(dt, d, p) if p.kernel == Kernel::Packed => {
+                wgsl_pipeline(device, packed_source(d, dt, &p), "attnkit flash_attn_packed", lb)
+            }
+            PipeKey::Flash(dt, d, p) if self.mt_passthrough => {
+                mt_pipeline(device, &mt_source(d, dt, &p), "attnkit flash_attn_mt")?
+            }
             PipeKey::Flash(dt, d, p) => wgsl_pipeline(device, mt_source(d, dt, &p), "attnkit flash_attn_mt", lb),
             PipeKey::Combine(dt, d) => {
                 wgsl_pipeline(device, specialize(COMBINE_SRC, &[("D", d), ("DT", dt as usize)]), "attnkit combine", lb)
@@ -834,13 +889,14 @@ mod tests {
         let expanded = [
             ("flash_attn", specialize(FLASH_SRC, &[])),
             ("flash_attn_mt", specialize(FLASH_MT_SRC, &[])),
+            ("flash_attn_packed", specialize(FLASH_PACKED_SRC, &[])),
             ("combine", specialize(COMBINE_SRC, &[])),
             ("flash_attn_coop", coop_source(64, 4, 32)),
         ];
         for (name, s) in &expanded {
             assert!(!s.lines().any(|l| l.starts_with("// @include ")), "{name}: an include left");
         }
-        assert!(expanded[3].1.contains("fn put_lse("));
+        assert!(expanded[4].1.contains("fn put_lse("));
         assert!(expanded[0].1.contains("fn store_o("));
     }
 }

@@ -1,0 +1,666 @@
+// Tiled flash attention for f16/bf16 storage with the K/V tiles kept in workgroup memory as they
+// are stored (two 16-bit values a word), and 8-row register micro-tiles (portable path: f32
+// arithmetic, no subgroups, no `shader-f16`).
+//
+// The same contract, bindings and metadata as flash_attn.wgsl (read that first) and the same
+// plan as flash_attn_mt.wgsl (read that second); what differs is how much arithmetic each
+// workgroup-memory load feeds. Half-width K and V tiles leave room for 64-key tiles, and each of
+// the (BQ/8)*(BK/4) threads owns
+//   S = Q K^T:  an 8x4 block of the score tile (8 rows, 4 keys): per d, two f32 loads of Q^T
+//               (8 rows) and one 8-byte load of K^T (4 keys, unpacked in registers): 32 FMAs;
+//   O += P V:   an 8-row block of the output, vec4 columns tx, tx + BK/4, ...: per key, two f32
+//               loads of P^T (8 rows) and an 8-byte load of V a column: 32 FMAs a column.
+// (flash_attn_mt.wgsl's 4x4 blocks feed 16 FMAs per two loads in q.k.) Accumulation is in f32;
+// only the storage of K and V in workgroup memory is 16-bit, as loaded (no rounding).
+//
+// K is stored [d][key group] (a key group's 4 values at d in two words: keys 4g, 4g+1 | 4g+2,
+// 4g+3), swizzled; V row-major [key][d/4] (two words a vec4), in the same buffer once K is
+// consumed. P is f32, [key][row quad], swizzled. The rows' key intervals, positions and ALiBi
+// slopes are read once into workgroup memory.
+//
+// Global loads run one phase ahead as in flash_attn_mt.wgsl: a tile's V words are loaded into
+// registers before its q.k and stored after it, the next tile's K words before this tile's p.v.
+//
+// A tile that every row of the workgroup sees whole (no row's interval cuts it, no key past the
+// end) stores V as loaded; any other tile zeroes non-finite V values (a row that cannot see a key
+// would otherwise get 0 * NaN) and keys past the end.
+
+const D: u32 = 128u; // @spec head dim, a multiple of 4, at most 128
+const DT: u32 = 1u; // @spec storage dtype: 1 f16, 2 bf16 (two per u32)
+const BQ: u32 = 32u; // @spec rows per workgroup: 16 or 32
+const BK: u32 = 64u; // @spec keys per tile: 32 or 64
+
+const RG: u32 = BQ / 8u; // row groups of 8 rows (a thread's rows)
+const RQ: u32 = BQ / 4u; // row quads (a vec4 of rows in Q^T and P^T), a power of two
+const KG: u32 = BK / 4u; // key groups of 4 keys, a power of two
+const WG: u32 = RG * KG;
+const D4: u32 = D / 4u;
+const NV: u32 = (D4 + KG - 1u) / KG; // output vec4 columns per thread
+const KI: u32 = (KG * D4 + WG - 1u) / WG; // (key group, column) items of the K tile per thread
+const VI: u32 = (BK * D4 + WG - 1u) / WG; // (key, column) items of the V tile per thread
+const NEG: f32 = -3.0e38;
+const MASKED: f32 = -3.3e38; // below NEG: a score no row may use
+
+const M_HQ: u32 = 1u;
+const M_HKV: u32 = 2u;
+const M_KIND: u32 = 3u;
+const M_SQ: u32 = 4u;
+const M_SK: u32 = 5u;
+const M_TQ: u32 = 6u;
+const M_BS: u32 = 7u;
+const M_MAXB: u32 = 8u;
+const M_CAUSAL: u32 = 9u;
+const M_WL: u32 = 10u;
+const M_WR: u32 = 11u;
+const M_CAP: u32 = 12u;
+const M_SCALE: u32 = 13u;
+const M_ALIBI: u32 = 14u;
+const M_LSE: u32 = 15u;
+const M_SPLITS: u32 = 16u;
+const M_OFF_CUQ: u32 = 17u;
+const M_OFF_CUK: u32 = 18u;
+const M_OFF_BT: u32 = 19u;
+const M_OFF_ALIBI: u32 = 20u;
+
+// Tensors as 8-byte words: one word is 4 elements of f16/bf16, or 2 of f32. D is a multiple of 4,
+// so every vec4 of a row starts on a word.
+@group(0) @binding(0) var<storage, read> qb: array<vec2<u32>>;
+@group(0) @binding(1) var<storage, read> kb: array<vec2<u32>>;
+@group(0) @binding(2) var<storage, read> vb: array<vec2<u32>>;
+@group(0) @binding(3) var<storage, read_write> ob: array<vec2<u32>>;
+@group(0) @binding(4) var<storage, read_write> lseb: array<f32>;
+@group(0) @binding(5) var<storage, read> md: array<u32>;
+@group(0) @binding(6) var<storage, read_write> part_o: array<vec4<f32>>;
+@group(0) @binding(7) var<storage, read_write> part_lse: array<f32>;
+
+var<workgroup> qt: array<vec4<f32>, D * RQ>; // Q^T: [d][row quad], f32
+var<workgroup> kv: array<vec2<u32>, D * KG>; // K^T as [d][key group], then V as [key][d/4]; 16-bit pairs
+var<workgroup> pt: array<vec4<f32>, BK * RQ>; // P^T: [key][row quad], f32
+// Per (key group, row quad): the 4 rows' maxima over the group's 4 keys; at the end, the rows'
+// partial sums.
+var<workgroup> red: array<vec4<f32>, KG * RQ>;
+// Per row of the tile: its visible keys [x, y) within [start, end), its query position z (for
+// ALiBi) and its slope's bits w.
+var<workgroup> rinfo: array<vec4<i32>, BQ>;
+
+fn bf16x2(w: u32) -> vec2<f32> {
+    return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xffff0000u));
+}
+
+fn to_bf16(x: f32) -> u32 {
+    let b = bitcast<u32>(x);
+    if ((b & 0x7fffffffu) > 0x7f800000u) {
+        return (b >> 16u) | 0x40u;
+    }
+    return (b + 0x7fffu + ((b >> 16u) & 1u)) >> 16u;
+}
+
+fn load_q(e: u32) -> vec4<f32> {
+    let w = qb[e / 4u];
+    return up4(w);
+}
+// Four 16-bit values (two words) as f32.
+fn up4(w: vec2<u32>) -> vec4<f32> {
+    if (DT == 1u) {
+        return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y));
+    }
+    return vec4<f32>(bf16x2(w.x), bf16x2(w.y));
+}
+// A word of two 16-bit values with each non-finite one (exponent all ones) zeroed. Integer
+// tests, so that no finite-math assumption of a compiler can remove them.
+fn finite2(w: u32) -> u32 {
+    let e = select(0x7c00u, 0x7f80u, DT == 2u);
+    let lo = select(0xffffu, 0u, (w & e) == e);
+    let hi = select(0xffff0000u, 0u, ((w >> 16u) & e) == e);
+    return w & (lo | hi);
+}
+// Two words with the low (`lo_half`) 16-bit values of `a` and `b`: a's in the low half.
+fn pair_lo(a: u32, b: u32) -> u32 {
+    return (a & 0xffffu) | (b << 16u);
+}
+fn pair_hi(a: u32, b: u32) -> u32 {
+    return (a >> 16u) | (b & 0xffff0000u);
+}
+
+fn store_o(e: u32, x: vec4<f32>) {
+    if (DT == 0u) {
+        ob[e / 2u] = bitcast<vec2<u32>>(x.xy);
+        ob[e / 2u + 1u] = bitcast<vec2<u32>>(x.zw);
+    } else if (DT == 1u) {
+        ob[e / 4u] = vec2<u32>(pack2x16float(x.xy), pack2x16float(x.zw));
+    } else {
+        ob[e / 4u] = vec2<u32>(to_bf16(x.x) | (to_bf16(x.y) << 16u), to_bf16(x.z) | (to_bf16(x.w) << 16u));
+    }
+}
+
+struct Seq {
+    q0: u32,
+    ql: u32,
+    k0: u32,
+    kl: u32,
+}
+
+fn seq_of(b: u32) -> Seq {
+    let kind = md[M_KIND];
+    if (kind == 0u) {
+        let sq = md[M_SQ];
+        let sk = md[M_SK];
+        return Seq(b * sq, sq, b * sk, sk);
+    }
+    let cq = md[M_OFF_CUQ];
+    let ck = md[M_OFF_CUK];
+    let q0 = md[cq + b];
+    let ql = md[cq + b + 1u] - q0;
+    if (kind == 1u) {
+        let k0 = md[ck + b];
+        return Seq(q0, ql, k0, md[ck + b + 1u] - k0);
+    }
+    return Seq(q0, ql, 0u, md[ck + b]);
+}
+
+// Where the kv tokens of one sequence are, read from the metadata once per workgroup.
+struct Kv {
+    paged: bool,
+    bs: u32,
+    bt: u32, // first block-table entry of the sequence in md
+    k0: u32,
+}
+
+fn kv_of(b: u32, s: Seq) -> Kv {
+    return Kv(md[M_KIND] == 2u, max(md[M_BS], 1u), md[M_OFF_BT] + b * md[M_MAXB], s.k0);
+}
+
+// Row of kv token `t` in k/v seen as [rows, Hkv, D].
+fn k_row(kvl: Kv, t: u32) -> u32 {
+    if (kvl.paged) {
+        return md[kvl.bt + t / kvl.bs] * kvl.bs + t % kvl.bs;
+    }
+    return kvl.k0 + t;
+}
+
+fn key_range(i: u32, s: Seq) -> vec2<i32> {
+    let ia = i32(i) + i32(s.kl) - i32(s.ql);
+    var lo = 0;
+    var hi = i32(s.kl);
+    if (md[M_CAUSAL] != 0u) {
+        hi = min(hi, ia + 1);
+    }
+    let wl = bitcast<i32>(md[M_WL]);
+    if (wl >= 0) {
+        lo = max(lo, ia - wl);
+    }
+    let wr = bitcast<i32>(md[M_WR]);
+    if (wr >= 0) {
+        hi = min(hi, ia + wr + 1);
+    }
+    if (hi <= lo) {
+        return vec2<i32>(0, 0);
+    }
+    return vec2<i32>(lo, hi);
+}
+
+// One row's visible key interval within [start, end), its query position (for ALiBi) and slope's
+// bits; an empty interval past the last row.
+fn row_info(p: u32, nrows: u32, g: u32, s: Seq, kh: u32, start: i32, end: i32) -> vec4<i32> {
+    var kr = vec2<i32>(0, 0);
+    var slope = 0.0;
+    if (p < nrows) {
+        kr = key_range(p / g, s);
+        if (md[M_ALIBI] != 0u) {
+            slope = bitcast<f32>(md[md[M_OFF_ALIBI] + kh * g + p % g]);
+        }
+    }
+    return vec4<i32>(max(kr.x, start), min(kr.y, end), i32(p / g) + i32(s.kl) - i32(s.ql), bitcast<i32>(slope));
+}
+
+// Vec4 `c` of row `p` of the Q tile (0 past the last row).
+fn q_vec(p: u32, nrows: u32, g: u32, s: Seq, kh: u32, c: u32) -> vec4<f32> {
+    if (p >= nrows) {
+        return vec4<f32>(0.0);
+    }
+    let hq = md[M_HQ];
+    return load_q(((s.q0 + p / g) * hq + kh * g + p % g) * D + c * 4u);
+}
+
+// One row's 4 scores (keys jv): scale, softcap, ALiBi, and MASKED outside the row's interval
+// (unless the tile is clean). A select, not arithmetic: a NaN score of a masked key is dropped.
+fn score4(a: vec4<f32>, jv: vec4<i32>, r: vec4<i32>, scale: f32, cap: f32, alibi: bool, clean: bool) -> vec4<f32> {
+    var x = scale * a;
+    if (cap > 0.0) {
+        let y = x / cap;
+        let z = exp(-2.0 * abs(y));
+        x = cap * sign(y) * (1.0 - z) / (1.0 + z);
+    }
+    if (alibi) {
+        x -= bitcast<f32>(r.w) * vec4<f32>(abs(vec4<i32>(r.z) - jv));
+    }
+    if (clean) {
+        return x;
+    }
+    return select(vec4<f32>(MASKED), x, (jv >= vec4<i32>(r.x)) & (jv < vec4<i32>(r.y)));
+}
+
+fn max4(x: vec4<f32>) -> f32 {
+    return max(max(x.x, x.y), max(x.z, x.w));
+}
+
+// Where row `p`'s output starts: an element index of `ob` (one split), else a vec4 index of
+// `part_o`.
+fn out_base(p: u32, g: u32, s: Seq, kh: u32, split: u32, splits: u32) -> u32 {
+    let hq = md[M_HQ];
+    let row = s.q0 + p / g;
+    let h = kh * g + p % g;
+    if (splits == 1u) {
+        return (row * hq + h) * D;
+    }
+    return ((split * md[M_TQ] + row) * hq + h) * D4;
+}
+
+fn emit(ok: bool, base: u32, c: u32, x: vec4<f32>, splits: u32) {
+    if (ok) {
+        if (splits == 1u) {
+            store_o(base + c * 4u, x);
+        } else {
+            part_o[base + c] = x;
+        }
+    }
+}
+
+fn emit_lse(ok: bool, p: u32, lr: f32, mr: f32, b: u32, g: u32, s: Seq, kh: u32, split: u32, splits: u32) {
+    if (!ok) {
+        return;
+    }
+    let hq = md[M_HQ];
+    let i = p / g;
+    let h = kh * g + p % g;
+    let row = s.q0 + i;
+    if (splits == 1u) {
+        if (md[M_LSE] != 0u) {
+            var lv = bitcast<f32>(0xff800000u); // -inf
+            if (lr > 0.0) {
+                lv = mr + log(lr);
+            }
+            var li = h * md[M_TQ] + row;
+            if (md[M_KIND] == 0u) {
+                li = (b * hq + h) * md[M_SQ] + i;
+            }
+            lseb[li] = lv;
+        }
+    } else {
+        var lv = NEG;
+        if (lr > 0.0) {
+            lv = mr + log(lr);
+        }
+        part_lse[(split * md[M_TQ] + row) * hq + h] = lv;
+    }
+}
+
+// Where K^T's 8-byte word for (d, key group) is: the key group XOR-swizzled by the column (d / 4),
+// so that the 32 threads of a store phase, which hold 32 consecutive columns of one key group,
+// write 16 different bank pairs (two wavefronts, the least for 256 bytes).
+fn kt_at(d: u32, kg: u32) -> u32 {
+    return d * KG + (kg ^ ((d / 4u) & (KG - 1u)));
+}
+
+// Where P^T's vec4 for (key, row quad) is: the row quad XOR-swizzled by the key's group, so that
+// the threads of a row group, which store keys of different groups, write different bank groups.
+fn pt_at(key: u32, rq: u32) -> u32 {
+    return key * RQ + (rq ^ ((key / 4u) & (RQ - 1u)));
+}
+
+// The raw words of one vec4 of K (or V) at element `e`.
+fn raw_k(e: u32) -> vec2<u32> {
+    return kb[e / 4u];
+}
+fn raw_v(e: u32) -> vec2<u32> {
+    return vb[e / 4u];
+}
+
+// Per-thread arrays (the output rows, the K/V words in flight) are indexed only by counters of
+// loops marked `// @unroll`, which the host unrolls (backends/wgpu/unroll.rs).
+@compute @workgroup_size(WG)
+fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) tid: u32) {
+    let splits = md[M_SPLITS];
+    let b = wid.z / splits;
+    let split = wid.z % splits;
+    let kh = wid.y;
+    let hq = md[M_HQ];
+    let hkv = md[M_HKV];
+    let g = hq / hkv;
+    let s = seq_of(b);
+    let kvi = kv_of(b, s);
+    let nrows = s.ql * g;
+    let p0 = wid.x * BQ;
+    if (p0 >= nrows) {
+        return;
+    }
+
+    // The union of the rows' intervals (the keys to visit) and their intersection (the keys
+    // every row sees: tiles inside it are clean).
+    var lo_u = i32(s.kl);
+    var hi_u = 0;
+    var lo_x = 0;
+    var hi_n = i32(s.kl);
+    for (var rr = 0u; rr < BQ; rr++) {
+        let p = p0 + rr;
+        if (p < nrows) {
+            let kr = key_range(p / g, s);
+            lo_x = max(lo_x, kr.x);
+            hi_n = min(hi_n, kr.y);
+            if (kr.x < kr.y) {
+                lo_u = min(lo_u, kr.x);
+                hi_u = max(hi_u, kr.y);
+            }
+        }
+    }
+    var start = lo_u;
+    var end = hi_u;
+    if (splits > 1u && hi_u > lo_u) {
+        let tiles = (u32(hi_u - lo_u) + BK - 1u) / BK;
+        let per = (tiles + splits - 1u) / splits;
+        start = lo_u + i32(split * per * BK);
+        end = min(hi_u, start + i32(per * BK));
+    }
+    let clean_end = min(hi_n, end);
+
+    let ty = tid / KG; // row group of the score and output blocks
+    let tx = tid % KG; // key group of the score block, column phase of the output block
+    let scale = bitcast<f32>(md[M_SCALE]);
+    let cap = bitcast<f32>(md[M_CAP]);
+    let alibi = md[M_ALIBI] != 0u;
+
+    // The rows' information.
+    for (var rr = tid; rr < BQ; rr += WG) {
+        rinfo[rr] = row_info(p0 + rr, nrows, g, s, kh, start, end);
+    }
+    // Q tile, transposed: qt[d][row quad] holds rows 4*rq..4*rq+3 at d.
+    for (var it = 0u; it < (RQ * D4 + WG - 1u) / WG; it++) {
+        let x = tid + it * WG;
+        if (x < RQ * D4) {
+            let rq = x % RQ;
+            let c = x / RQ;
+            let pq = p0 + rq * 4u;
+            let b0 = q_vec(pq, nrows, g, s, kh, c);
+            let b1 = q_vec(pq + 1u, nrows, g, s, kh, c);
+            let b2 = q_vec(pq + 2u, nrows, g, s, kh, c);
+            let b3 = q_vec(pq + 3u, nrows, g, s, kh, c);
+            qt[(c * 4u) * RQ + rq] = vec4<f32>(b0.x, b1.x, b2.x, b3.x);
+            qt[(c * 4u + 1u) * RQ + rq] = vec4<f32>(b0.y, b1.y, b2.y, b3.y);
+            qt[(c * 4u + 2u) * RQ + rq] = vec4<f32>(b0.z, b1.z, b2.z, b3.z);
+            qt[(c * 4u + 3u) * RQ + rq] = vec4<f32>(b0.w, b1.w, b2.w, b3.w);
+        }
+    }
+
+    // Softmax state of this thread's 8 rows (rows 0-3 in `.0`, 4-7 in `.1`; the same in every
+    // thread of the row group) and its part of their sums; the output block, a row an array.
+    var m0 = vec4<f32>(NEG);
+    var m1 = vec4<f32>(NEG);
+    var l0 = vec4<f32>(0.0);
+    var l1 = vec4<f32>(0.0);
+    var o0: array<vec4<f32>, NV>;
+    var o1: array<vec4<f32>, NV>;
+    var o2: array<vec4<f32>, NV>;
+    var o3: array<vec4<f32>, NV>;
+    var o4: array<vec4<f32>, NV>;
+    var o5: array<vec4<f32>, NV>;
+    var o6: array<vec4<f32>, NV>;
+    var o7: array<vec4<f32>, NV>;
+    // @unroll
+    for (var n = 0u; n < NV; n++) {
+        o0[n] = vec4<f32>(0.0);
+        o1[n] = vec4<f32>(0.0);
+        o2[n] = vec4<f32>(0.0);
+        o3[n] = vec4<f32>(0.0);
+        o4[n] = vec4<f32>(0.0);
+        o5[n] = vec4<f32>(0.0);
+        o6[n] = vec4<f32>(0.0);
+        o7[n] = vec4<f32>(0.0);
+    }
+
+    // The K/V words in flight. Keys past the tile's end load the last key (a clamped index) and
+    // are masked (K) or zeroed (V) afterwards.
+    var kreg: array<vec2<u32>, KI * 4u>;
+    var vreg: array<vec2<u32>, VI>;
+    if (start < end) {
+        // @unroll
+        for (var it = 0u; it < KI; it++) {
+            let x = tid + it * WG;
+            if (x < KG * D4) {
+                // @unroll
+                for (var kj = 0u; kj < 4u; kj++) {
+                    let j = min(start + i32((x / D4) * 4u + kj), end - 1);
+                    kreg[it * 4u + kj] = raw_k((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
+                }
+            }
+        }
+    }
+
+    for (var j0 = start; j0 < end; j0 += i32(BK)) {
+        let clean = j0 >= lo_x && j0 + i32(BK) <= clean_end;
+        workgroupBarrier(); // kv, pt and red are free (and the Q tile and row information written)
+        // K tile, transposed and swizzled: the 4 keys of a group at d in two words.
+        // @unroll
+        for (var it = 0u; it < KI; it++) {
+            let x = tid + it * WG;
+            if (x < KG * D4) {
+                let kg = x / D4;
+                let c = x % D4;
+                let w0 = kreg[it * 4u];
+                let w1 = kreg[it * 4u + 1u];
+                let w2 = kreg[it * 4u + 2u];
+                let w3 = kreg[it * 4u + 3u];
+                kv[kt_at(c * 4u, kg)] = vec2<u32>(pair_lo(w0.x, w1.x), pair_lo(w2.x, w3.x));
+                kv[kt_at(c * 4u + 1u, kg)] = vec2<u32>(pair_hi(w0.x, w1.x), pair_hi(w2.x, w3.x));
+                kv[kt_at(c * 4u + 2u, kg)] = vec2<u32>(pair_lo(w0.y, w1.y), pair_lo(w2.y, w3.y));
+                kv[kt_at(c * 4u + 3u, kg)] = vec2<u32>(pair_hi(w0.y, w1.y), pair_hi(w2.y, w3.y));
+            }
+        }
+        workgroupBarrier();
+        // This tile's V, in flight during q.k.
+        // @unroll
+        for (var it = 0u; it < VI; it++) {
+            let x = tid + it * WG;
+            if (x < BK * D4) {
+                let j = min(j0 + i32(x / D4), end - 1);
+                vreg[it] = raw_v((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
+            }
+        }
+
+        // 8x4 score block: rows 8ty.., keys 4tx.. (a row a vector over the 4 keys).
+        var a0 = vec4<f32>(0.0);
+        var a1 = vec4<f32>(0.0);
+        var a2 = vec4<f32>(0.0);
+        var a3 = vec4<f32>(0.0);
+        var a4 = vec4<f32>(0.0);
+        var a5 = vec4<f32>(0.0);
+        var a6 = vec4<f32>(0.0);
+        var a7 = vec4<f32>(0.0);
+        for (var c = 0u; c < D4; c++) {
+            let kx = tx ^ (c & (KG - 1u));
+            // @unroll
+            for (var i = 0u; i < 4u; i++) {
+                let d = c * 4u + i;
+                let qa = qt[d * RQ + 2u * ty];
+                let qb = qt[d * RQ + 2u * ty + 1u];
+                let k = up4(kv[d * KG + kx]);
+                a0 += qa.x * k;
+                a1 += qa.y * k;
+                a2 += qa.z * k;
+                a3 += qa.w * k;
+                a4 += qb.x * k;
+                a5 += qb.y * k;
+                a6 += qb.z * k;
+                a7 += qb.w * k;
+            }
+        }
+        let jv = vec4<i32>(j0 + i32(tx * 4u)) + vec4<i32>(0, 1, 2, 3);
+        let rb = 8u * ty;
+        let sc0 = score4(a0, jv, rinfo[rb], scale, cap, alibi, clean);
+        let sc1 = score4(a1, jv, rinfo[rb + 1u], scale, cap, alibi, clean);
+        let sc2 = score4(a2, jv, rinfo[rb + 2u], scale, cap, alibi, clean);
+        let sc3 = score4(a3, jv, rinfo[rb + 3u], scale, cap, alibi, clean);
+        let sc4 = score4(a4, jv, rinfo[rb + 4u], scale, cap, alibi, clean);
+        let sc5 = score4(a5, jv, rinfo[rb + 5u], scale, cap, alibi, clean);
+        let sc6 = score4(a6, jv, rinfo[rb + 6u], scale, cap, alibi, clean);
+        let sc7 = score4(a7, jv, rinfo[rb + 7u], scale, cap, alibi, clean);
+        let bm0 = vec4<f32>(max4(sc0), max4(sc1), max4(sc2), max4(sc3));
+        let bm1 = vec4<f32>(max4(sc4), max4(sc5), max4(sc6), max4(sc7));
+        red[tx * RQ + 2u * ty] = max(bm0, vec4<f32>(NEG));
+        red[tx * RQ + 2u * ty + 1u] = max(bm1, vec4<f32>(NEG));
+        workgroupBarrier(); // the block maxima are written; K is consumed
+
+        // V tile, row-major, into the same buffer: as loaded in a clean tile, else with keys past
+        // the end and non-finite values zeroed.
+        if (clean) {
+            // @unroll
+            for (var it = 0u; it < VI; it++) {
+                let x = tid + it * WG;
+                if (x < BK * D4) {
+                    kv[x] = vreg[it];
+                }
+            }
+        } else {
+            // @unroll
+            for (var it = 0u; it < VI; it++) {
+                let x = tid + it * WG;
+                if (x < BK * D4) {
+                    let w = vec2<u32>(finite2(vreg[it].x), finite2(vreg[it].y));
+                    kv[x] = select(w, vec2<u32>(0u), j0 + i32(x / D4) >= end);
+                }
+            }
+        }
+        // Every thread of a row group computes the same new maxima and factors; each exponentiates
+        // its own 32 scores.
+        var mt0 = vec4<f32>(NEG);
+        var mt1 = vec4<f32>(NEG);
+        for (var g2 = 0u; g2 < KG; g2++) {
+            mt0 = max(mt0, red[g2 * RQ + 2u * ty]);
+            mt1 = max(mt1, red[g2 * RQ + 2u * ty + 1u]);
+        }
+        let mn0 = max(m0, mt0);
+        let mn1 = max(m1, mt1);
+        let al0 = exp(m0 - mn0);
+        let al1 = exp(m1 - mn1);
+        m0 = mn0;
+        m1 = mn1;
+        let e0 = select(vec4<f32>(0.0), exp(sc0 - vec4<f32>(mn0.x)), sc0 > vec4<f32>(MASKED));
+        let e1 = select(vec4<f32>(0.0), exp(sc1 - vec4<f32>(mn0.y)), sc1 > vec4<f32>(MASKED));
+        let e2 = select(vec4<f32>(0.0), exp(sc2 - vec4<f32>(mn0.z)), sc2 > vec4<f32>(MASKED));
+        let e3 = select(vec4<f32>(0.0), exp(sc3 - vec4<f32>(mn0.w)), sc3 > vec4<f32>(MASKED));
+        let e4 = select(vec4<f32>(0.0), exp(sc4 - vec4<f32>(mn1.x)), sc4 > vec4<f32>(MASKED));
+        let e5 = select(vec4<f32>(0.0), exp(sc5 - vec4<f32>(mn1.y)), sc5 > vec4<f32>(MASKED));
+        let e6 = select(vec4<f32>(0.0), exp(sc6 - vec4<f32>(mn1.z)), sc6 > vec4<f32>(MASKED));
+        let e7 = select(vec4<f32>(0.0), exp(sc7 - vec4<f32>(mn1.w)), sc7 > vec4<f32>(MASKED));
+        let one = vec4<f32>(1.0);
+        l0 = l0 * al0 + vec4<f32>(dot(e0, one), dot(e1, one), dot(e2, one), dot(e3, one));
+        l1 = l1 * al1 + vec4<f32>(dot(e4, one), dot(e5, one), dot(e6, one), dot(e7, one));
+        let kb0 = tx * 4u;
+        let rq0 = 2u * ty;
+        pt[pt_at(kb0, rq0)] = vec4<f32>(e0.x, e1.x, e2.x, e3.x);
+        pt[pt_at(kb0, rq0 + 1u)] = vec4<f32>(e4.x, e5.x, e6.x, e7.x);
+        pt[pt_at(kb0 + 1u, rq0)] = vec4<f32>(e0.y, e1.y, e2.y, e3.y);
+        pt[pt_at(kb0 + 1u, rq0 + 1u)] = vec4<f32>(e4.y, e5.y, e6.y, e7.y);
+        pt[pt_at(kb0 + 2u, rq0)] = vec4<f32>(e0.z, e1.z, e2.z, e3.z);
+        pt[pt_at(kb0 + 2u, rq0 + 1u)] = vec4<f32>(e4.z, e5.z, e6.z, e7.z);
+        pt[pt_at(kb0 + 3u, rq0)] = vec4<f32>(e0.w, e1.w, e2.w, e3.w);
+        pt[pt_at(kb0 + 3u, rq0 + 1u)] = vec4<f32>(e4.w, e5.w, e6.w, e7.w);
+        workgroupBarrier(); // P and the V tile are written
+        // The next tile's K, in flight during p.v.
+        let jn = j0 + i32(BK);
+        if (jn < end) {
+            // @unroll
+            for (var it = 0u; it < KI; it++) {
+                let x = tid + it * WG;
+                if (x < KG * D4) {
+                    // @unroll
+                    for (var kj = 0u; kj < 4u; kj++) {
+                        let j = min(jn + i32((x / D4) * 4u + kj), end - 1);
+                        kreg[it * 4u + kj] = raw_k((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
+                    }
+                }
+            }
+        }
+
+        // O block += P V: rows 8ty.., vec4 columns tx, tx + KG, ...
+        // @unroll
+        for (var n = 0u; n < NV; n++) {
+            o0[n] *= al0.x;
+            o1[n] *= al0.y;
+            o2[n] *= al0.z;
+            o3[n] *= al0.w;
+            o4[n] *= al1.x;
+            o5[n] *= al1.y;
+            o6[n] *= al1.z;
+            o7[n] *= al1.w;
+        }
+        for (var jj = 0u; jj < BK; jj++) {
+            let pa = pt[pt_at(jj, rq0)];
+            let pb = pt[pt_at(jj, rq0 + 1u)];
+            // @unroll
+            for (var n = 0u; n < NV; n++) {
+                let c = tx + n * KG;
+                if (c < D4) {
+                    let vv = up4(kv[jj * D4 + c]);
+                    o0[n] += pa.x * vv;
+                    o1[n] += pa.y * vv;
+                    o2[n] += pa.z * vv;
+                    o3[n] += pa.w * vv;
+                    o4[n] += pb.x * vv;
+                    o5[n] += pb.y * vv;
+                    o6[n] += pb.z * vv;
+                    o7[n] += pb.w * vv;
+                }
+            }
+        }
+    }
+
+    // The rows' sums: every key group's part, added up.
+    workgroupBarrier();
+    red[tx * RQ + 2u * ty] = l0;
+    red[tx * RQ + 2u * ty + 1u] = l1;
+    workgroupBarrier();
+    var lt0 = vec4<f32>(0.0);
+    var lt1 = vec4<f32>(0.0);
+    for (var g2 = 0u; g2 < KG; g2++) {
+        lt0 += red[g2 * RQ + 2u * ty];
+        lt1 += red[g2 * RQ + 2u * ty + 1u];
+    }
+
+    let pr = p0 + 8u * ty;
+    let ok0 = vec4<u32>(pr) + vec4<u32>(0u, 1u, 2u, 3u) < vec4<u32>(nrows);
+    let ok1 = vec4<u32>(pr) + vec4<u32>(4u, 5u, 6u, 7u) < vec4<u32>(nrows);
+    let inv0 = select(vec4<f32>(0.0), 1.0 / lt0, lt0 > vec4<f32>(0.0));
+    let inv1 = select(vec4<f32>(0.0), 1.0 / lt1, lt1 > vec4<f32>(0.0));
+    let base0 = out_base(pr, g, s, kh, split, splits);
+    let base1 = out_base(pr + 1u, g, s, kh, split, splits);
+    let base2 = out_base(pr + 2u, g, s, kh, split, splits);
+    let base3 = out_base(pr + 3u, g, s, kh, split, splits);
+    let base4 = out_base(pr + 4u, g, s, kh, split, splits);
+    let base5 = out_base(pr + 5u, g, s, kh, split, splits);
+    let base6 = out_base(pr + 6u, g, s, kh, split, splits);
+    let base7 = out_base(pr + 7u, g, s, kh, split, splits);
+    // @unroll
+    for (var n = 0u; n < NV; n++) {
+        let c = tx + n * KG;
+        if (c < D4) {
+            emit(ok0.x, base0, c, o0[n] * inv0.x, splits);
+            emit(ok0.y, base1, c, o1[n] * inv0.y, splits);
+            emit(ok0.z, base2, c, o2[n] * inv0.z, splits);
+            emit(ok0.w, base3, c, o3[n] * inv0.w, splits);
+            emit(ok1.x, base4, c, o4[n] * inv1.x, splits);
+            emit(ok1.y, base5, c, o5[n] * inv1.y, splits);
+            emit(ok1.z, base6, c, o6[n] * inv1.z, splits);
+            emit(ok1.w, base7, c, o7[n] * inv1.w, splits);
+        }
+    }
+    if (tx == 0u) {
+        emit_lse(ok0.x, pr, lt0.x, m0.x, b, g, s, kh, split, splits);
+        emit_lse(ok0.y, pr + 1u, lt0.y, m0.y, b, g, s, kh, split, splits);
+        emit_lse(ok0.z, pr + 2u, lt0.z, m0.z, b, g, s, kh, split, splits);
+        emit_lse(ok0.w, pr + 3u, lt0.w, m0.w, b, g, s, kh, split, splits);
+        emit_lse(ok1.x, pr + 4u, lt1.x, m1.x, b, g, s, kh, split, splits);
+        emit_lse(ok1.y, pr + 5u, lt1.y, m1.y, b, g, s, kh, split, splits);
+        emit_lse(ok1.z, pr + 6u, lt1.z, m1.z, b, g, s, kh, split, splits);
+        emit_lse(ok1.w, pr + 7u, lt1.w, m1.w, b, g, s, kh, split, splits);
+    }
+}
