@@ -29,7 +29,8 @@ const HEADER: usize = 24;
 /// Micro-tile (rows, keys) tiles tried, largest first; keys >= rows / 1 so that there is a
 /// thread per row for the softmax (threads = rows * keys / 16 >= rows).
 const MT_TILES: [(usize, usize); 4] = [(32, 32), (16, 32), (32, 16), (16, 16)];
-/// Packed-kernel (rows, keys) tiles tried, largest first (rows / 4 and keys / 4 powers of two).
+/// Packed-kernel (rows, keys) tiles, largest first (rows / 4 and keys / 4 powers of two); the
+/// automatic choice takes only the first ([`packed_plan`]).
 const PACKED_TILES: [(usize, usize); 4] = [(32, 64), (16, 64), (32, 32), (16, 32)];
 /// Largest head dim of the packed kernel (its output block: 8 rows of `d / 4 / (keys / 4)` vec4s).
 const PACKED_MAX_D: usize = 128;
@@ -46,8 +47,9 @@ pub enum Kernel {
     MicroTile,
     /// `flash_attn_packed.wgsl`: f16/bf16 K/V tiles kept 16-bit in workgroup memory, 8x4 score
     /// and 8-row output micro-tiles, 64-key tiles. Chosen for f16/bf16 calls where a workgroup
-    /// has 32 rows to fill and the cooperative-matrix kernel does not serve, head dims up to 128;
-    /// forced for another dtype or a larger head dim, the `MicroTile` kernel serves instead.
+    /// has 32 rows to fill and the cooperative-matrix kernel does not serve, head dims up to 128,
+    /// where its 32x64 tile fits the workgroup memory (43.5 KiB at head dim 128); forced, smaller
+    /// tiles too; forced for another dtype or a larger head dim, the `MicroTile` kernel serves.
     Packed,
     /// `flash_attn_coop.wgsl`: cooperative matrices (tensor cores), f16 only, head dims that are
     /// multiples of 32, on devices that have them ([`super::WgpuBackend::has_cooperative_matrices`]).
@@ -178,22 +180,17 @@ fn mt_plan(d: usize, limit: u32) -> Option<Plan> {
         .find(|p| wg_bytes(p, d, 1) <= limit as usize)
 }
 
-fn packed_plan(d: usize, dt: DType, limit: u32) -> Option<Plan> {
+/// The packed plan: with `auto`, only the first tile (the one measured: smaller ones put more
+/// K/V words or output columns in each thread's registers, and an H100 ran 16x64 at 4.7x and
+/// 32x32 at 1.9x the time of 32x64 at head dim 128); forced, any tile that fits.
+fn packed_plan(d: usize, dt: DType, limit: u32, auto: bool) -> Option<Plan> {
     if !matches!(dt, DType::F16 | DType::BF16) || d > PACKED_MAX_D {
         return None;
     }
-    // `ATTNKIT_WGPU_PACKED_TILE=rows,keys` tries that tile first (one of PACKED_TILES; tuning).
-    static FIRST: std::sync::OnceLock<Option<(usize, usize)>> = std::sync::OnceLock::new();
-    let first = *FIRST.get_or_init(|| {
-        let v = std::env::var("ATTNKIT_WGPU_PACKED_TILE").ok()?;
-        let (a, b) = v.split_once(',')?;
-        let t = (a.trim().parse().ok()?, b.trim().parse().ok()?);
-        PACKED_TILES.contains(&t).then_some(t)
-    });
-    first
-        .into_iter()
-        .chain(PACKED_TILES)
-        .map(|(bq, bk)| Plan { kernel: Kernel::Packed, bq, bk, nks: 0, pf: 0, tpk: 0 })
+    let tiles = if auto { &PACKED_TILES[..1] } else { &PACKED_TILES[..] };
+    tiles
+        .iter()
+        .map(|&(bq, bk)| Plan { kernel: Kernel::Packed, bq, bk, nks: 0, pf: 0, tpk: 0 })
         .find(|p| wg_bytes(p, d, 1) <= limit as usize)
 }
 
@@ -246,15 +243,15 @@ fn plan(
         Some(Kernel::Rows) => rows_plan(d, wpc, 16, limit, t),
         Some(Kernel::MicroTile) => mt_plan(d, limit).or_else(|| rows_plan(d, wpc, 16, limit, t)),
         Some(Kernel::Packed) => {
-            packed_plan(d, dt, limit).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, 16, limit, t))
+            packed_plan(d, dt, limit, false).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, 16, limit, t))
         }
         Some(Kernel::Coop) => coop_plan(d, limit),
         None if queries >= 32 && coop_fits(coop, dt, d) && super::coop_settings().auto => coop_plan(d, limit)
-            .or_else(|| packed_plan(d, dt, limit))
+            .or_else(|| packed_plan(d, dt, limit, true))
             .or_else(|| mt_plan(d, limit))
             .or_else(|| rows_plan(d, wpc, rows, limit, t)),
         None if rows >= 32 => {
-            packed_plan(d, dt, limit).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, rows, limit, t))
+            packed_plan(d, dt, limit, true).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, rows, limit, t))
         }
         None => rows_plan(d, wpc, rows, limit, t),
     }
@@ -330,7 +327,7 @@ pub(crate) fn bench_modules() -> Result<Vec<(String, Vec<u32>)>> {
             let src = mt_source(d, dt as u32, &p);
             out.push((format!("micro-tile {dt} {}x{}", p.bq, p.bk), super::spirv::mt_module(&src)?));
         }
-        if let Some(p) = packed_plan(d, dt, limit) {
+        if let Some(p) = packed_plan(d, dt, limit, true) {
             let src = packed_source(d, dt as u32, &p);
             out.push((format!("packed {dt} {}x{}", p.bq, p.bk), super::spirv::mt_module(&src)?));
         }
@@ -881,6 +878,26 @@ fn bytemuck_words(w: &[u32]) -> &[u8] {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Which kernel and tile serve prefill: the packed kernel's measured 32x64 tile only where it
+    /// fits, else the micro-tile kernel; smaller packed tiles only when forced; f32 never packed.
+    #[test]
+    fn prefill_plans() {
+        let t = RowsTuning::default();
+        let pick = |d, dt, limit, forced| {
+            let p = plan(d, dt, 4096, 1, limit, false, forced, &t).expect("a plan");
+            (p.kernel, p.bq, p.bk)
+        };
+        let (k48, k32) = (48 * 1024, 32 * 1024);
+        assert_eq!(pick(128, DType::F16, k48, None), (Kernel::Packed, 32, 64));
+        assert_eq!(pick(128, DType::BF16, k48, None), (Kernel::Packed, 32, 64));
+        assert_eq!(pick(128, DType::F32, k48, None), (Kernel::MicroTile, 32, 32));
+        assert_eq!(pick(64, DType::F16, k32, None), (Kernel::Packed, 32, 64));
+        assert_eq!(pick(128, DType::F16, k32, None), (Kernel::MicroTile, 16, 32));
+        assert_eq!(pick(128, DType::F16, k32, Some(Kernel::Packed)), (Kernel::Packed, 16, 64));
+        assert_eq!(pick(256, DType::F16, k48, Some(Kernel::Packed)).0, Kernel::MicroTile);
+        assert_eq!(pick(128, DType::F32, k48, Some(Kernel::Packed)).0, Kernel::MicroTile);
+    }
 
     /// Every include a shader asks for is embedded (`specialize` panics otherwise) and lands in
     /// its place. That the expanded text validates is tests/wgsl_shaders.rs's part (from disk).
