@@ -52,6 +52,18 @@ fn random_case(rng: &mut Rng, seed: u64) -> Case {
     }
 }
 
+/// Each sequence's query count mapped by `f`; a dense case's sequences then all take the first
+/// one's lengths (at least 1 each), as a dense layout needs.
+fn set_query_lens(case: &mut Case, mut f: impl FnMut(usize) -> usize) {
+    for l in case.lens.iter_mut() {
+        l.0 = f(l.0);
+    }
+    if case.layout == LayoutKind::Dense {
+        let l0 = (case.lens[0].0.max(1), case.lens[0].1.max(1));
+        case.lens.iter_mut().for_each(|l| *l = l0);
+    }
+}
+
 #[test]
 fn split_kv_matches_reference() {
     let Some(mut be) = be() else { return };
@@ -80,13 +92,7 @@ fn every_portable_kernel_matches_reference() {
         let seed = rng.next_u64();
         let mut case = random_case(&mut rng, seed);
         // Longer query sequences too, so that micro-tiles are full and ragged.
-        for l in case.lens.iter_mut() {
-            l.0 = (l.0 * 13) % 70;
-        }
-        if case.layout == LayoutKind::Dense {
-            let l0 = (case.lens[0].0.max(1), case.lens[0].1.max(1));
-            case.lens.iter_mut().for_each(|l| *l = l0);
-        }
+        set_query_lens(&mut case, |q| (q * 13) % 70);
         let kernel = [Kernel::Rows, Kernel::MicroTile, Kernel::Packed][n % 3];
         be.set_kernel(Some(kernel));
         be.set_kv_splits(if n % 2 == 0 { Some(3) } else { None });
@@ -106,13 +112,7 @@ fn packed_kernel_matches_reference() {
         let mut case = random_case(&mut rng, seed);
         case.dtype = [DType::F16, DType::BF16][n % 2];
         case.d = [4, 8, 24, 64, 96, 128][rng.below(6)];
-        for l in case.lens.iter_mut() {
-            l.0 = (l.0 * 17 + rng.below(40)) % 90;
-        }
-        if case.layout == LayoutKind::Dense {
-            let l0 = (case.lens[0].0.max(1), case.lens[0].1.max(1));
-            case.lens.iter_mut().for_each(|l| *l = l0);
-        }
+        set_query_lens(&mut case, |q| (q * 17 + rng.below(40)) % 90);
         be.set_kv_splits(if n % 3 == 0 { Some(3) } else { None });
         check_against_reference(&be, &case).unwrap_or_else(|e| panic!("packed, case {n}: {e}"));
     }
@@ -276,13 +276,7 @@ fn coop_kernel_matches_reference() {
         let mut case = random_case(&mut rng, seed);
         case.dtype = DType::F16;
         case.d = [32, 64, 96, 128][n % 4];
-        for l in case.lens.iter_mut() {
-            l.0 = (l.0 * 37 + rng.below(40)) % 200;
-        }
-        if case.layout == LayoutKind::Dense {
-            let l0 = (case.lens[0].0.max(1), case.lens[0].1.max(1));
-            case.lens.iter_mut().for_each(|l| *l = l0);
-        }
+        set_query_lens(&mut case, |q| (q * 37 + rng.below(40)) % 200);
         be.set_kv_splits(if n % 4 == 3 { Some(3) } else { None });
         check_against_reference(&be, &case).unwrap_or_else(|e| panic!("coop: {e}"));
     }

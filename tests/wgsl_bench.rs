@@ -165,8 +165,6 @@ fn bench() {
     );
     let cuda = attnkit::by_name("cuda").ok();
     // The other kernel variants on the prefill and MHA decode shapes, for the notes.
-    let mut rows = wgpu.clone();
-    rows.set_kernel(Some(attnkit::wgpu::Kernel::Rows));
     let mut mt = wgpu.clone();
     mt.set_kernel(Some(attnkit::wgpu::Kernel::MicroTile));
     let mut packed = wgpu.clone();

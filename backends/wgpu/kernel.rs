@@ -246,15 +246,18 @@ fn plan(
             packed_plan(d, dt, limit, false).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, 16, limit, t))
         }
         Some(Kernel::Coop) => coop_plan(d, limit),
-        None if queries >= 32 && coop_fits(coop, dt, d) && super::coop_settings().auto => coop_plan(d, limit)
-            .or_else(|| packed_plan(d, dt, limit, true))
-            .or_else(|| mt_plan(d, limit))
-            .or_else(|| rows_plan(d, wpc, rows, limit, t)),
-        None if rows >= 32 => {
-            packed_plan(d, dt, limit, true).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, rows, limit, t))
+        None if queries >= 32 && coop_fits(coop, dt, d) && super::coop_settings().auto => {
+            coop_plan(d, limit).or_else(|| prefill_plan(d, dt, wpc, rows, limit, t))
         }
+        None if rows >= 32 => prefill_plan(d, dt, wpc, rows, limit, t),
         None => rows_plan(d, wpc, rows, limit, t),
     }
+}
+
+/// The portable prefill plan: the packed kernel where it serves, else the micro-tile kernel, else
+/// the `Rows` kernel (head dims too large for the micro-tile kernel's workgroup memory).
+fn prefill_plan(d: usize, dt: DType, wpc: usize, rows: usize, limit: u32, t: &RowsTuning) -> Option<Plan> {
+    packed_plan(d, dt, limit, true).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, rows, limit, t))
 }
 
 /// The largest head dim (a multiple of 4, at most [`super::MAX_HEAD_DIM`]) that fits `limit`
@@ -586,16 +589,19 @@ impl State {
                 lb,
             ),
             PipeKey::Flash(_, d, p) if p.kernel == Kernel::Coop => coop_pipeline(device, &coop_source(d, p.nks, p.bk))?,
-            PipeKey::Flash(dt, d, p) if p.kernel == Kernel::Packed && self.mt_passthrough => {
-                mt_pipeline(device, &packed_source(d, dt, &p), "attnkit flash_attn_packed")?
+            // The micro-tile and packed kernels: from attnkit's own SPIR-V where the device takes it.
+            PipeKey::Flash(dt, d, p) => {
+                let (src, label) = if p.kernel == Kernel::Packed {
+                    (packed_source(d, dt, &p), "attnkit flash_attn_packed")
+                } else {
+                    (mt_source(d, dt, &p), "attnkit flash_attn_mt")
+                };
+                if self.mt_passthrough {
+                    mt_pipeline(device, &src, label)?
+                } else {
+                    wgsl_pipeline(device, src, label, lb)
+                }
             }
-            PipeKey::Flash(dt, d, p) if p.kernel == Kernel::Packed => {
-                wgsl_pipeline(device, packed_source(d, dt, &p), "attnkit flash_attn_packed", lb)
-            }
-            PipeKey::Flash(dt, d, p) if self.mt_passthrough => {
-                mt_pipeline(device, &mt_source(d, dt, &p), "attnkit flash_attn_mt")?
-            }
-            PipeKey::Flash(dt, d, p) => wgsl_pipeline(device, mt_source(d, dt, &p), "attnkit flash_attn_mt", lb),
             PipeKey::Combine(dt, d) => {
                 wgsl_pipeline(device, specialize(COMBINE_SRC, &[("D", d), ("DT", dt as usize)]), "attnkit combine", lb)
             }
