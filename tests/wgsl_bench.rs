@@ -290,10 +290,18 @@ fn sweep_decode() {
 #[test]
 #[ignore]
 fn kernel_statistics() {
+    let modules = attnkit::wgpu::bench_kernel_modules().expect("kernel modules");
+    let stats = driver_statistics(&modules, std::env::var("ATTNKIT_STATS_DIR").ok());
+    assert!(stats, "the device lacks VK_KHR_pipeline_executable_properties: no statistics");
+}
+
+/// Builds a pipeline of each SPIR-V module on the first non-CPU Vulkan device (else the first) and
+/// prints the driver's statistics of each; false when the device has no statistics to give (the
+/// pipelines are still built, so that a software driver checks the modules). Panics when a
+/// pipeline cannot be built.
+fn driver_statistics(modules: &[(String, Vec<u32>)], out_dir: Option<String>) -> bool {
     use ash::vk;
     use std::ffi::CStr;
-    let modules = attnkit::wgpu::bench_kernel_modules().expect("kernel modules");
-    let out_dir = std::env::var("ATTNKIT_STATS_DIR").ok();
     // SAFETY: every Vulkan call below follows its valid-usage rules: handles are created here,
     // used only while alive and destroyed in reverse order, every create-info is built with
     // ash's builders (lengths and pointers from live slices), and the extension's entry points
@@ -380,7 +388,7 @@ fn kernel_statistics() {
             .create_pipeline_layout(&vk::PipelineLayoutCreateInfo::default().set_layouts(&layouts), None)
             .unwrap();
         let mut built = 0;
-        for (name, words) in &modules {
+        for (name, words) in modules {
             if name.starts_with("coop") && !coop {
                 eprintln!("{name}: skipped, no cooperative matrices on this device");
                 continue;
@@ -478,6 +486,274 @@ fn kernel_statistics() {
         device.destroy_device(None);
         instance.destroy_instance(None);
         assert!(built > 0, "no pipeline was built");
-        assert!(stats, "the device lacks {pep:?}: no statistics");
+        stats
+    }
+}
+
+/// One inner-loop probe: a workgroup of `wg` threads (`nx` along the columns) multiplies an
+/// A tile (f32, in workgroup memory, `kd` deep) by a B tile (f32, or 16-bit pairs unpacked in
+/// registers) `reps` times, each thread owning a `tm` x `tn` block of f32 accumulators: the shape
+/// of the portable kernels' q.k and p.v loops, without their global loads, barriers or softmax.
+#[derive(Clone, Copy)]
+struct Probe {
+    wg: u32,
+    nx: u32,
+    tm: u32,
+    tn: u32,
+    kd: u32,
+    /// B's storage: 0 f32 (vec4), 1 f16 pairs, 2 bf16 pairs (vec2<u32> a vec4).
+    bf: u32,
+    /// Operands loaded once before the loop (the FMA rate alone).
+    regs_only: bool,
+    /// Extra workgroup memory (bytes), to hold the workgroups an SM to a kernel's count.
+    pad: u32,
+}
+
+impl Probe {
+    fn name(&self) -> String {
+        format!(
+            "{}x{} wg{} nx{} kd{} {}{}{}",
+            self.tm,
+            self.tn,
+            self.wg,
+            self.nx,
+            self.kd,
+            ["f32", "f16", "bf16"][self.bf as usize],
+            if self.regs_only { " regs" } else { "" },
+            if self.pad > 0 { format!(" pad{}", self.pad) } else { String::new() }
+        )
+    }
+
+    fn wgsl(&self) -> String {
+        let (wg, nx, tm, tn, kd) = (self.wg, self.nx, self.tm, self.tn, self.kd);
+        let ny = wg / nx;
+        let (tm4, tn4) = (tm / 4, tn / 4);
+        let am = ny * tm4; // A vec4s a k
+        let bn = nx * tn4; // B vec4s a k
+        let bty = if self.bf == 0 { "vec4<f32>" } else { "vec2<u32>" };
+        let padn = (self.pad / 4).max(wg);
+        let mut s = String::new();
+        s += "@group(0) @binding(0) var<storage, read> src: array<u32>;\n";
+        s += "@group(0) @binding(1) var<storage, read_write> dst: array<f32>;\n";
+        s += &format!("var<workgroup> wa: array<vec4<f32>, {}>;\n", kd * am);
+        s += &format!("var<workgroup> wb: array<{bty}, {}>;\n", kd * bn);
+        s += &format!("var<workgroup> pad: array<u32, {padn}>;\n");
+        s += "fn val(i: u32) -> f32 { return f32(src[1u + (i & 1023u)] & 0xffffu) * 1.5e-5 - 0.49; }\n";
+        s += "fn v4(i: u32) -> vec4<f32> { return vec4<f32>(val(4u * i), val(4u * i + 1u), val(4u * i + 2u), val(4u * i + 3u)); }\n";
+        s += match self.bf {
+            0 => "fn pk(x: vec4<f32>) -> vec4<f32> { return x; }\nfn up(w: vec4<f32>) -> vec4<f32> { return w; }\n",
+            1 => "fn pk(x: vec4<f32>) -> vec2<u32> { return vec2<u32>(pack2x16float(x.xy), pack2x16float(x.zw)); }\nfn up(w: vec2<u32>) -> vec4<f32> { return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y)); }\n",
+            _ => "fn pk(x: vec4<f32>) -> vec2<u32> { let b = bitcast<vec4<u32>>(x); return vec2<u32>((b.x >> 16u) | (b.y & 0xffff0000u), (b.z >> 16u) | (b.w & 0xffff0000u)); }\nfn up(w: vec2<u32>) -> vec4<f32> { return vec4<f32>(bitcast<f32>(w.x << 16u), bitcast<f32>(w.x & 0xffff0000u), bitcast<f32>(w.y << 16u), bitcast<f32>(w.y & 0xffff0000u)); }\n",
+        };
+        s += &format!("@compute @workgroup_size({wg})\n");
+        s += "fn main(@builtin(local_invocation_index) tid: u32, @builtin(global_invocation_id) gid: vec3<u32>) {\n";
+        s += &format!("  let tx = tid % {nx}u;\n  let ty = tid / {nx}u;\n");
+        s += &format!("  for (var i = tid; i < {}u; i += {wg}u) {{ wa[i] = v4(i); }}\n", kd * am);
+        s += &format!("  for (var i = tid; i < {}u; i += {wg}u) {{ wb[i] = pk(v4(i + 77u)); }}\n", kd * bn);
+        s += &format!("  for (var i = tid; i < {padn}u; i += {wg}u) {{ pad[i] = i; }}\n");
+        s += "  workgroupBarrier();\n  let reps = src[0];\n";
+        for i in 0..tm {
+            for j in 0..tn4 {
+                s += &format!("  var c{i}_{j} = vec4<f32>(0.0);\n");
+            }
+        }
+        let loads = |k: &str| {
+            let mut t = String::new();
+            for q in 0..tm4 {
+                t += &format!("    let a{q} = wa[({k}) * {am}u + ty * {tm4}u + {q}u];\n");
+            }
+            for j in 0..tn4 {
+                t += &format!("    let b{j} = up(wb[({k}) * {bn}u + tx + {}u]);\n", j * nx);
+            }
+            t
+        };
+        let mut fmas = String::new();
+        for i in 0..tm {
+            for j in 0..tn4 {
+                fmas += &format!("      c{i}_{j} += a{}.{} * b{j};\n", i / 4, ["x", "y", "z", "w"][i as usize % 4]);
+            }
+        }
+        if self.regs_only {
+            s += &loads("tid % 4u");
+            s += &format!("  for (var r = 0u; r < reps * {kd}u; r++) {{\n{fmas}  }}\n");
+        } else {
+            s += "  for (var r = 0u; r < reps; r++) {\n";
+            s += &format!("   for (var k = 0u; k < {kd}u; k += 4u) {{\n");
+            for u in 0..4 {
+                s += "    {\n";
+                s += &loads(&format!("k + {u}u"));
+                s += &fmas;
+                s += "    }\n";
+            }
+            s += "   }\n  }\n";
+        }
+        s += "  var t = vec4<f32>(0.0);\n";
+        for i in 0..tm {
+            for j in 0..tn4 {
+                s += &format!("  t += c{i}_{j};\n");
+            }
+        }
+        s += &format!("  dst[gid.x] = dot(t, vec4<f32>(1.0)) + f32(pad[(tid + 1u) % {padn}u]);\n}}\n");
+        s
+    }
+
+    fn spirv(&self) -> Vec<u32> {
+        let src = self.wgsl();
+        let module = naga::front::wgsl::parse_str(&src)
+            .unwrap_or_else(|e| panic!("{}: {}", self.name(), e.emit_to_string(&src)));
+        let info = naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
+            .validate(&module)
+            .unwrap_or_else(|e| panic!("{}: {}", self.name(), e.emit_to_string(&src)));
+        let unchecked = naga::proc::BoundsCheckPolicy::Unchecked;
+        let options = naga::back::spv::Options {
+            lang_version: (1, 3),
+            flags: naga::back::spv::WriterFlags::empty(),
+            bounds_check_policies: naga::proc::BoundsCheckPolicies {
+                index: unchecked,
+                buffer: unchecked,
+                image_load: unchecked,
+                binding_array: unchecked,
+            },
+            zero_initialize_workgroup_memory: naga::back::spv::ZeroInitializeWorkgroupMemoryMode::None,
+            force_loop_bounding: false,
+            ..Default::default()
+        };
+        let pipeline =
+            naga::back::spv::PipelineOptions { shader_stage: naga::ShaderStage::Compute, entry_point: "main".into() };
+        naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline)).expect("SPIR-V")
+    }
+}
+
+/// The portable kernels' inner loops, alone: TFLOP/s of [`Probe`]s (f32 FMAs, 2 FLOPs each) on
+/// the wgpu adapter, and the Vulkan driver's statistics of each (registers). A diagnosis of what
+/// the shader compiler makes of register-tiled loops over workgroup memory, not a figure of
+/// attnkit's kernels. `ATTNKIT_BENCH_QUICK=1` shrinks the grid for a software adapter.
+#[test]
+#[ignore]
+fn inner_loops() {
+    let quick = std::env::var("ATTNKIT_BENCH_QUICK").is_ok();
+    let p = |wg, nx, tm, tn, kd, bf| Probe { wg, nx, tm, tn, kd, bf, regs_only: false, pad: 0 };
+    let mut probes = vec![
+        Probe { regs_only: true, ..p(128, 16, 8, 8, 16, 0) },
+        Probe { regs_only: true, ..p(256, 16, 4, 4, 16, 0) },
+        // q.k of the packed kernel (8x4, 64 threads, 16-bit K), alone and at its 4 workgroups an SM.
+        p(64, 16, 8, 4, 128, 1),
+        Probe { pad: 14336, ..p(64, 16, 8, 4, 128, 1) },
+        p(64, 16, 8, 4, 128, 2),
+        p(64, 16, 8, 4, 128, 0),
+        p(128, 16, 8, 4, 128, 1),
+        p(256, 16, 8, 4, 64, 1),
+        // p.v of the packed kernel (8 rows x 8 columns: two vec4 columns a thread).
+        p(64, 16, 8, 8, 64, 1),
+        p(128, 16, 8, 8, 64, 1),
+        p(256, 16, 8, 8, 32, 1),
+        p(128, 16, 8, 8, 32, 0),
+        p(256, 16, 8, 8, 32, 0),
+        // the micro-tile kernel's 4x4.
+        p(64, 16, 4, 4, 128, 0),
+        p(256, 16, 4, 4, 64, 0),
+        p(256, 16, 4, 4, 128, 1),
+        // 4x8, 16x4.
+        p(128, 16, 4, 8, 64, 1),
+        p(128, 8, 16, 4, 64, 1),
+    ];
+    if let Ok(only) = std::env::var("ATTNKIT_PROBE_ONLY") {
+        probes.retain(|p| p.name().contains(&only));
+    }
+    let modules: Vec<(String, Vec<u32>)> = probes.iter().map(|p| (p.name(), p.spirv())).collect();
+    if !driver_statistics(&modules, None) {
+        eprintln!("(no driver statistics on this device)");
+    }
+
+    let wgpu = attnkit::wgpu::WgpuBackend::new().expect("wgpu adapter");
+    let (device, queue) = (wgpu.wgpu_device(), wgpu.wgpu_queue());
+    eprintln!("wgpu adapter: {}", wgpu.adapter_name());
+    let mut rng = Rng::new(3);
+    let mut words = vec![0u32; 1025];
+    for w in &mut words[1..] {
+        *w = rng.next_u64() as u32;
+    }
+    let threads: u32 = if quick { 4096 } else { 132 * 2048 * 2 };
+    let src = device.create_buffer(&::wgpu::BufferDescriptor {
+        label: Some("probe src"),
+        size: 4 * 1025,
+        usage: ::wgpu::BufferUsages::STORAGE | ::wgpu::BufferUsages::COPY_DST,
+        mapped_at_creation: false,
+    });
+    let dst = device.create_buffer(&::wgpu::BufferDescriptor {
+        label: Some("probe dst"),
+        size: 4 * threads as u64,
+        usage: ::wgpu::BufferUsages::STORAGE,
+        mapped_at_creation: false,
+    });
+    eprintln!("| probe | TFLOP/s | ms | reps |");
+    eprintln!("|---|---|---|---|");
+    for pr in &probes {
+        let src_text = pr.wgsl();
+        // SAFETY: every loop of a probe is counted (a counter that only increases toward a bound
+        // read before the loop) and every index is in range by construction (tiles sized from
+        // the same constants that index them).
+        let module = unsafe {
+            device.create_shader_module_trusted(
+                ::wgpu::ShaderModuleDescriptor {
+                    label: Some("probe"),
+                    source: ::wgpu::ShaderSource::Wgsl(src_text.into()),
+                },
+                ::wgpu::ShaderRuntimeChecks::unchecked(),
+            )
+        };
+        let pipeline = device.create_compute_pipeline(&::wgpu::ComputePipelineDescriptor {
+            label: Some("probe"),
+            layout: None,
+            module: &module,
+            entry_point: Some("main"),
+            compilation_options: ::wgpu::PipelineCompilationOptions {
+                zero_initialize_workgroup_memory: false,
+                ..Default::default()
+            },
+            cache: None,
+        });
+        let bind = device.create_bind_group(&::wgpu::BindGroupDescriptor {
+            label: None,
+            layout: &pipeline.get_bind_group_layout(0),
+            entries: &[
+                ::wgpu::BindGroupEntry { binding: 0, resource: src.as_entire_binding() },
+                ::wgpu::BindGroupEntry { binding: 1, resource: dst.as_entire_binding() },
+            ],
+        });
+        let mut run = |reps: u32| -> f64 {
+            words[0] = reps;
+            queue.write_buffer(&src, 0, bytemuck::cast_slice(&words));
+            let mut enc = device.create_command_encoder(&Default::default());
+            {
+                let mut pass = enc.begin_compute_pass(&Default::default());
+                pass.set_pipeline(&pipeline);
+                pass.set_bind_group(0, &bind, &[]);
+                pass.dispatch_workgroups(threads / pr.wg, 1, 1);
+            }
+            queue.submit([enc.finish()]);
+            device.poll(::wgpu::PollType::wait_indefinitely()).unwrap();
+            let t0 = Instant::now();
+            let mut enc = device.create_command_encoder(&Default::default());
+            {
+                let mut pass = enc.begin_compute_pass(&Default::default());
+                pass.set_pipeline(&pipeline);
+                pass.set_bind_group(0, &bind, &[]);
+                pass.dispatch_workgroups(threads / pr.wg, 1, 1);
+            }
+            queue.submit([enc.finish()]);
+            device.poll(::wgpu::PollType::wait_indefinitely()).unwrap();
+            t0.elapsed().as_secs_f64()
+        };
+        // Reps for about 20 ms a dispatch, in two steps (the first is mostly launch overhead).
+        let t1 = run(2);
+        let r1 = ((0.002 / t1 * 2.0) as u32).clamp(2, 1 << 14);
+        let t2 = run(r1);
+        let reps = ((0.02 / t2 * r1 as f64) as u32).clamp(2, 1 << 16);
+        let mut ts: Vec<f64> = (0..5).map(|_| run(reps)).collect();
+        ts.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let t = ts[2];
+        let flops = 2.0 * threads as f64 * reps as f64 * (pr.kd * pr.tm * pr.tn) as f64;
+        eprintln!("| {} | {:.2} | {:.3} | {reps} |", pr.name(), flops / t / 1e12, t * 1e3);
     }
 }
