@@ -1,17 +1,18 @@
 // Tiled flash attention for f16/bf16 storage with the K/V tiles kept in workgroup memory as they
-// are stored (two 16-bit values a word), and 8-row register micro-tiles (portable path: f32
+// are stored (two 16-bit values a word), and 4-row register micro-tiles (portable path: f32
 // arithmetic, no subgroups, no `shader-f16`).
 //
 // The same contract, bindings and metadata as flash_attn.wgsl (read that first) and the same
 // plan as flash_attn_mt.wgsl (read that second); what differs is how much arithmetic each
 // workgroup-memory load feeds. Half-width K and V tiles leave room for 64-key tiles, and each of
-// the (BQ/8)*(BK/4) threads owns
-//   S = Q K^T:  an 8x4 block of the score tile (8 rows, 4 keys): per d, two f32 loads of Q^T
-//               (8 rows) and one 8-byte load of K^T (4 keys, unpacked in registers): 32 FMAs;
-//   O += P V:   an 8-row block of the output, vec4 columns tx, tx + BK/4, ...: per key, two f32
-//               loads of P^T (8 rows) and an 8-byte load of V a column: 32 FMAs a column.
-// (flash_attn_mt.wgsl's 4x4 blocks feed 16 FMAs per two loads in q.k.) Accumulation is in f32;
-// only the storage of K and V in workgroup memory is 16-bit, as loaded (no rounding).
+// the (BQ/4)*(BK/4) threads owns
+//   S = Q K^T:  a 4x4 block of the score tile (4 rows, 4 keys): per d, a 16-byte load of Q^T
+//               (4 rows) and an 8-byte load of K^T (4 keys, unpacked in registers): 16 FMAs;
+//   O += P V:   a 4-row block of the output, vec4 columns tx, tx + BK/4, ...: per key, a 16-byte
+//               load of P^T (4 rows) and an 8-byte load of V a column: 16 FMAs a column.
+// Accumulation is in f32; only the storage of K and V in workgroup memory is 16-bit, as loaded (no
+// rounding). Blocks of 8 rows (twice the registers a thread, half the threads) ran at half the
+// speed on an H100 (docs/PERF_NOTES.md, wgpu v16).
 //
 // K is stored [d][key group] (a key group's 4 values at d in two words: keys 4g, 4g+1 | 4g+2,
 // 4g+3), swizzled; V row-major [key][d/4] (two words a vec4), in the same buffer once K is
@@ -30,10 +31,9 @@ const DT: u32 = 1u; // @spec storage dtype: 1 f16, 2 bf16 (two per u32)
 const BQ: u32 = 32u; // @spec rows per workgroup: 16 or 32
 const BK: u32 = 64u; // @spec keys per tile: 32 or 64
 
-const RG: u32 = BQ / 8u; // row groups of 8 rows (a thread's rows)
-const RQ: u32 = BQ / 4u; // row quads (a vec4 of rows in Q^T and P^T), a power of two
+const RQ: u32 = BQ / 4u; // row quads (a vec4 of rows in Q^T and P^T; a thread's rows), a power of two
 const KG: u32 = BK / 4u; // key groups of 4 keys, a power of two
-const WG: u32 = RG * KG;
+const WG: u32 = RQ * KG;
 const D4: u32 = D / 4u;
 const NV: u32 = (D4 + KG - 1u) / KG; // output vec4 columns per thread
 const KI: u32 = (KG * D4 + WG - 1u) / WG; // (key group, column) items of the K tile per thread
@@ -303,7 +303,7 @@ fn kt_at(d: u32, kg: u32) -> u32 {
 }
 
 // Where P^T's vec4 for (key, row quad) is: the row quad XOR-swizzled by the key's group, so that
-// the threads of a row group, which store keys of different groups, write different bank groups.
+// the threads of a row quad, which store keys of different groups, write different bank groups.
 fn pt_at(key: u32, rq: u32) -> u32 {
     return key * RQ + (rq ^ ((key / 4u) & (RQ - 1u)));
 }
@@ -363,7 +363,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     }
     let clean_end = min(hi_n, end);
 
-    let ty = tid / KG; // row group of the score and output blocks
+    let ty = tid / KG; // row quad of the score and output blocks
     let tx = tid % KG; // key group of the score block, column phase of the output block
     let scale = bitcast<f32>(md[M_SCALE]);
     let cap = bitcast<f32>(md[M_CAP]);
@@ -391,30 +391,20 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
     }
 
-    // Softmax state of this thread's 8 rows (rows 0-3 in `.0`, 4-7 in `.1`; the same in every
-    // thread of the row group) and its part of their sums; the output block, a row an array.
+    // Softmax state of this thread's 4 rows (the same in every thread of the row quad) and its
+    // part of their sums; the output block, a row an array.
     var m0 = vec4<f32>(NEG);
-    var m1 = vec4<f32>(NEG);
     var l0 = vec4<f32>(0.0);
-    var l1 = vec4<f32>(0.0);
     var o0: array<vec4<f32>, NV>;
     var o1: array<vec4<f32>, NV>;
     var o2: array<vec4<f32>, NV>;
     var o3: array<vec4<f32>, NV>;
-    var o4: array<vec4<f32>, NV>;
-    var o5: array<vec4<f32>, NV>;
-    var o6: array<vec4<f32>, NV>;
-    var o7: array<vec4<f32>, NV>;
     // @unroll
     for (var n = 0u; n < NV; n++) {
         o0[n] = vec4<f32>(0.0);
         o1[n] = vec4<f32>(0.0);
         o2[n] = vec4<f32>(0.0);
         o3[n] = vec4<f32>(0.0);
-        o4[n] = vec4<f32>(0.0);
-        o5[n] = vec4<f32>(0.0);
-        o6[n] = vec4<f32>(0.0);
-        o7[n] = vec4<f32>(0.0);
     }
 
     // The K/V words in flight. Keys past the tile's end load the last key (a clamped index) and
@@ -466,47 +456,32 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
         }
 
-        // 8x4 score block: rows 8ty.., keys 4tx.. (a row a vector over the 4 keys).
+        // 4x4 score block: rows 4ty.., keys 4tx.. (a row a vector over the 4 keys).
         var a0 = vec4<f32>(0.0);
         var a1 = vec4<f32>(0.0);
         var a2 = vec4<f32>(0.0);
         var a3 = vec4<f32>(0.0);
-        var a4 = vec4<f32>(0.0);
-        var a5 = vec4<f32>(0.0);
-        var a6 = vec4<f32>(0.0);
-        var a7 = vec4<f32>(0.0);
         for (var c = 0u; c < D4; c++) {
             let kx = tx ^ (c & (KG - 1u));
             // @unroll
             for (var i = 0u; i < 4u; i++) {
                 let d = c * 4u + i;
-                let qa = qt[d * RQ + 2u * ty];
-                let qb = qt[d * RQ + 2u * ty + 1u];
+                let qa = qt[d * RQ + ty];
                 let k = up4(kv[d * KG + kx]);
                 a0 += qa.x * k;
                 a1 += qa.y * k;
                 a2 += qa.z * k;
                 a3 += qa.w * k;
-                a4 += qb.x * k;
-                a5 += qb.y * k;
-                a6 += qb.z * k;
-                a7 += qb.w * k;
             }
         }
         let jv = vec4<i32>(j0 + i32(tx * 4u)) + vec4<i32>(0, 1, 2, 3);
-        let rb = 8u * ty;
+        let rb = 4u * ty;
         let sc0 = score4(a0, jv, rinfo[rb], scale, cap, alibi, clean);
         let sc1 = score4(a1, jv, rinfo[rb + 1u], scale, cap, alibi, clean);
         let sc2 = score4(a2, jv, rinfo[rb + 2u], scale, cap, alibi, clean);
         let sc3 = score4(a3, jv, rinfo[rb + 3u], scale, cap, alibi, clean);
-        let sc4 = score4(a4, jv, rinfo[rb + 4u], scale, cap, alibi, clean);
-        let sc5 = score4(a5, jv, rinfo[rb + 5u], scale, cap, alibi, clean);
-        let sc6 = score4(a6, jv, rinfo[rb + 6u], scale, cap, alibi, clean);
-        let sc7 = score4(a7, jv, rinfo[rb + 7u], scale, cap, alibi, clean);
         let bm0 = vec4<f32>(max4(sc0), max4(sc1), max4(sc2), max4(sc3));
-        let bm1 = vec4<f32>(max4(sc4), max4(sc5), max4(sc6), max4(sc7));
-        red[tx * RQ + 2u * ty] = max(bm0, vec4<f32>(NEG));
-        red[tx * RQ + 2u * ty + 1u] = max(bm1, vec4<f32>(NEG));
+        red[tx * RQ + ty] = max(bm0, vec4<f32>(NEG));
         workgroupBarrier(); // the block maxima are written; K is consumed
 
         // V tile, row-major, into the same buffer: as loaded in a clean tile, else with keys past
@@ -529,41 +504,26 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 }
             }
         }
-        // Every thread of a row group computes the same new maxima and factors; each exponentiates
-        // its own 32 scores.
+        // Every thread of a row quad computes the same new maxima and factors; each exponentiates
+        // its own 16 scores.
         var mt0 = vec4<f32>(NEG);
-        var mt1 = vec4<f32>(NEG);
         for (var g2 = 0u; g2 < KG; g2++) {
-            mt0 = max(mt0, red[g2 * RQ + 2u * ty]);
-            mt1 = max(mt1, red[g2 * RQ + 2u * ty + 1u]);
+            mt0 = max(mt0, red[g2 * RQ + ty]);
         }
         let mn0 = max(m0, mt0);
-        let mn1 = max(m1, mt1);
         let al0 = exp(m0 - mn0);
-        let al1 = exp(m1 - mn1);
         m0 = mn0;
-        m1 = mn1;
         let e0 = select(vec4<f32>(0.0), exp(sc0 - vec4<f32>(mn0.x)), sc0 > vec4<f32>(MASKED));
         let e1 = select(vec4<f32>(0.0), exp(sc1 - vec4<f32>(mn0.y)), sc1 > vec4<f32>(MASKED));
         let e2 = select(vec4<f32>(0.0), exp(sc2 - vec4<f32>(mn0.z)), sc2 > vec4<f32>(MASKED));
         let e3 = select(vec4<f32>(0.0), exp(sc3 - vec4<f32>(mn0.w)), sc3 > vec4<f32>(MASKED));
-        let e4 = select(vec4<f32>(0.0), exp(sc4 - vec4<f32>(mn1.x)), sc4 > vec4<f32>(MASKED));
-        let e5 = select(vec4<f32>(0.0), exp(sc5 - vec4<f32>(mn1.y)), sc5 > vec4<f32>(MASKED));
-        let e6 = select(vec4<f32>(0.0), exp(sc6 - vec4<f32>(mn1.z)), sc6 > vec4<f32>(MASKED));
-        let e7 = select(vec4<f32>(0.0), exp(sc7 - vec4<f32>(mn1.w)), sc7 > vec4<f32>(MASKED));
         let one = vec4<f32>(1.0);
         l0 = l0 * al0 + vec4<f32>(dot(e0, one), dot(e1, one), dot(e2, one), dot(e3, one));
-        l1 = l1 * al1 + vec4<f32>(dot(e4, one), dot(e5, one), dot(e6, one), dot(e7, one));
         let kb0 = tx * 4u;
-        let rq0 = 2u * ty;
-        pt[pt_at(kb0, rq0)] = vec4<f32>(e0.x, e1.x, e2.x, e3.x);
-        pt[pt_at(kb0, rq0 + 1u)] = vec4<f32>(e4.x, e5.x, e6.x, e7.x);
-        pt[pt_at(kb0 + 1u, rq0)] = vec4<f32>(e0.y, e1.y, e2.y, e3.y);
-        pt[pt_at(kb0 + 1u, rq0 + 1u)] = vec4<f32>(e4.y, e5.y, e6.y, e7.y);
-        pt[pt_at(kb0 + 2u, rq0)] = vec4<f32>(e0.z, e1.z, e2.z, e3.z);
-        pt[pt_at(kb0 + 2u, rq0 + 1u)] = vec4<f32>(e4.z, e5.z, e6.z, e7.z);
-        pt[pt_at(kb0 + 3u, rq0)] = vec4<f32>(e0.w, e1.w, e2.w, e3.w);
-        pt[pt_at(kb0 + 3u, rq0 + 1u)] = vec4<f32>(e4.w, e5.w, e6.w, e7.w);
+        pt[pt_at(kb0, ty)] = vec4<f32>(e0.x, e1.x, e2.x, e3.x);
+        pt[pt_at(kb0 + 1u, ty)] = vec4<f32>(e0.y, e1.y, e2.y, e3.y);
+        pt[pt_at(kb0 + 2u, ty)] = vec4<f32>(e0.z, e1.z, e2.z, e3.z);
+        pt[pt_at(kb0 + 3u, ty)] = vec4<f32>(e0.w, e1.w, e2.w, e3.w);
         workgroupBarrier(); // P and the V tile are written
         // The next tile's K, in flight during p.v.
         let jn = j0 + i32(BK);
@@ -581,21 +541,16 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
         }
 
-        // O block += P V: rows 8ty.., vec4 columns tx, tx + KG, ...
+        // O block += P V: rows 4ty.., vec4 columns tx, tx + KG, ...
         // @unroll
         for (var n = 0u; n < NV; n++) {
             o0[n] *= al0.x;
             o1[n] *= al0.y;
             o2[n] *= al0.z;
             o3[n] *= al0.w;
-            o4[n] *= al1.x;
-            o5[n] *= al1.y;
-            o6[n] *= al1.z;
-            o7[n] *= al1.w;
         }
         for (var jj = 0u; jj < BK; jj++) {
-            let pa = pt[pt_at(jj, rq0)];
-            let pb = pt[pt_at(jj, rq0 + 1u)];
+            let pa = pt[pt_at(jj, ty)];
             // @unroll
             for (var n = 0u; n < NV; n++) {
                 let c = tx + n * KG;
@@ -605,10 +560,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                     o1[n] += pa.y * vv;
                     o2[n] += pa.z * vv;
                     o3[n] += pa.w * vv;
-                    o4[n] += pb.x * vv;
-                    o5[n] += pb.y * vv;
-                    o6[n] += pb.z * vv;
-                    o7[n] += pb.w * vv;
                 }
             }
         }
@@ -616,29 +567,20 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
 
     // The rows' sums: every key group's part, added up.
     workgroupBarrier();
-    red[tx * RQ + 2u * ty] = l0;
-    red[tx * RQ + 2u * ty + 1u] = l1;
+    red[tx * RQ + ty] = l0;
     workgroupBarrier();
     var lt0 = vec4<f32>(0.0);
-    var lt1 = vec4<f32>(0.0);
     for (var g2 = 0u; g2 < KG; g2++) {
-        lt0 += red[g2 * RQ + 2u * ty];
-        lt1 += red[g2 * RQ + 2u * ty + 1u];
+        lt0 += red[g2 * RQ + ty];
     }
 
-    let pr = p0 + 8u * ty;
+    let pr = p0 + 4u * ty;
     let ok0 = vec4<u32>(pr) + vec4<u32>(0u, 1u, 2u, 3u) < vec4<u32>(nrows);
-    let ok1 = vec4<u32>(pr) + vec4<u32>(4u, 5u, 6u, 7u) < vec4<u32>(nrows);
     let inv0 = select(vec4<f32>(0.0), 1.0 / lt0, lt0 > vec4<f32>(0.0));
-    let inv1 = select(vec4<f32>(0.0), 1.0 / lt1, lt1 > vec4<f32>(0.0));
     let base0 = out_base(pr, g, s, kh, split, splits);
     let base1 = out_base(pr + 1u, g, s, kh, split, splits);
     let base2 = out_base(pr + 2u, g, s, kh, split, splits);
     let base3 = out_base(pr + 3u, g, s, kh, split, splits);
-    let base4 = out_base(pr + 4u, g, s, kh, split, splits);
-    let base5 = out_base(pr + 5u, g, s, kh, split, splits);
-    let base6 = out_base(pr + 6u, g, s, kh, split, splits);
-    let base7 = out_base(pr + 7u, g, s, kh, split, splits);
     // @unroll
     for (var n = 0u; n < NV; n++) {
         let c = tx + n * KG;
@@ -647,10 +589,6 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             emit(ok0.y, base1, c, o1[n] * inv0.y, splits);
             emit(ok0.z, base2, c, o2[n] * inv0.z, splits);
             emit(ok0.w, base3, c, o3[n] * inv0.w, splits);
-            emit(ok1.x, base4, c, o4[n] * inv1.x, splits);
-            emit(ok1.y, base5, c, o5[n] * inv1.y, splits);
-            emit(ok1.z, base6, c, o6[n] * inv1.z, splits);
-            emit(ok1.w, base7, c, o7[n] * inv1.w, splits);
         }
     }
     if (tx == 0u) {
@@ -658,9 +596,5 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         emit_lse(ok0.y, pr + 1u, lt0.y, m0.y, b, g, s, kh, split, splits);
         emit_lse(ok0.z, pr + 2u, lt0.z, m0.z, b, g, s, kh, split, splits);
         emit_lse(ok0.w, pr + 3u, lt0.w, m0.w, b, g, s, kh, split, splits);
-        emit_lse(ok1.x, pr + 4u, lt1.x, m1.x, b, g, s, kh, split, splits);
-        emit_lse(ok1.y, pr + 5u, lt1.y, m1.y, b, g, s, kh, split, splits);
-        emit_lse(ok1.z, pr + 6u, lt1.z, m1.z, b, g, s, kh, split, splits);
-        emit_lse(ok1.w, pr + 7u, lt1.w, m1.w, b, g, s, kh, split, splits);
     }
 }

@@ -636,14 +636,15 @@ fn inner_loops() {
     let mut probes = vec![
         Probe { regs_only: true, ..p(128, 16, 8, 8, 16, 0) },
         Probe { regs_only: true, ..p(256, 16, 4, 4, 16, 0) },
-        // q.k of the packed kernel (8x4, 64 threads, 16-bit K), alone and at its 4 workgroups an SM.
+        // q.k of the packed kernel's first version (8x4, 64 threads, 16-bit K), alone and at its
+        // 4 workgroups an SM.
         p(64, 16, 8, 4, 128, 1),
         Probe { pad: 14336, ..p(64, 16, 8, 4, 128, 1) },
         p(64, 16, 8, 4, 128, 2),
         p(64, 16, 8, 4, 128, 0),
         p(128, 16, 8, 4, 128, 1),
         p(256, 16, 8, 4, 64, 1),
-        // p.v of the packed kernel (8 rows x 8 columns: two vec4 columns a thread).
+        // p.v of the packed kernel's first version (8 rows x 8 columns: two vec4 columns a thread).
         p(64, 16, 8, 8, 64, 1),
         p(128, 16, 8, 8, 64, 1),
         p(256, 16, 8, 8, 32, 1),

@@ -32,7 +32,7 @@ const MT_TILES: [(usize, usize); 4] = [(32, 32), (16, 32), (32, 16), (16, 16)];
 /// Packed-kernel (rows, keys) tiles, largest first (rows / 4 and keys / 4 powers of two); the
 /// automatic choice takes only the first ([`packed_plan`]).
 const PACKED_TILES: [(usize, usize); 4] = [(32, 64), (16, 64), (32, 32), (16, 32)];
-/// Largest head dim of the packed kernel (its output block: 8 rows of `d / 4 / (keys / 4)` vec4s).
+/// Largest head dim of the packed kernel (its output block: 4 rows of `d / 4 / (keys / 4)` vec4s).
 const PACKED_MAX_D: usize = 128;
 
 /// Which kernel variant serves a call.
@@ -45,8 +45,8 @@ pub enum Kernel {
     /// `flash_attn_mt.wgsl`: 4x4 register micro-tiles for scores and output. Chosen when a
     /// workgroup has 32 rows to fill (prefill).
     MicroTile,
-    /// `flash_attn_packed.wgsl`: f16/bf16 K/V tiles kept 16-bit in workgroup memory, 8x4 score
-    /// and 8-row output micro-tiles, 64-key tiles. Chosen for f16/bf16 calls where a workgroup
+    /// `flash_attn_packed.wgsl`: f16/bf16 K/V tiles kept 16-bit in workgroup memory, 4x4 score
+    /// and 4-row output micro-tiles, 64-key tiles (128 threads). Chosen for f16/bf16 calls where a workgroup
     /// has 32 rows to fill and the cooperative-matrix kernel does not serve, head dims up to 128,
     /// where its 32x64 tile fits the workgroup memory (43.5 KiB at head dim 128); forced, smaller
     /// tiles too; forced for another dtype or a larger head dim, the `MicroTile` kernel serves.
@@ -182,7 +182,8 @@ fn mt_plan(d: usize, limit: u32) -> Option<Plan> {
 
 /// The packed plan: with `auto`, only the first tile (the one measured: smaller ones put more
 /// K/V words or output columns in each thread's registers, and an H100 ran 16x64 at 4.7x and
-/// 32x32 at 1.9x the time of 32x64 at head dim 128); forced, any tile that fits.
+/// 32x32 at 1.9x the time of 32x64 at head dim 128, with the kernel's first, 8-row blocks);
+/// forced, any tile that fits.
 fn packed_plan(d: usize, dt: DType, limit: u32, auto: bool) -> Option<Plan> {
     if !matches!(dt, DType::F16 | DType::BF16) || d > PACKED_MAX_D {
         return None;
