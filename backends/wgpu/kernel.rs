@@ -46,10 +46,11 @@ pub enum Kernel {
     /// workgroup has 32 rows to fill (prefill).
     MicroTile,
     /// `flash_attn_packed.wgsl`: f16/bf16 K/V tiles kept 16-bit in workgroup memory, 4x4 score
-    /// and 4-row output micro-tiles, 64-key tiles (128 threads). Chosen for f16/bf16 calls where a workgroup
-    /// has 32 rows to fill and the cooperative-matrix kernel does not serve, head dims up to 128,
-    /// where its 32x64 tile fits the workgroup memory (43.5 KiB at head dim 128); forced, smaller
-    /// tiles too; forced for another dtype or a larger head dim, the `MicroTile` kernel serves.
+    /// and 4-row output micro-tiles, 64-key tiles (128 threads). Chosen for f16/bf16 calls where
+    /// a workgroup has 32 rows to fill and the cooperative-matrix kernel does not serve, head
+    /// dims up to 128, where its 32x64 tile fits the workgroup memory (43.5 KiB at head dim 128);
+    /// forced, smaller tiles too; forced for another dtype or a larger head dim, the `MicroTile`
+    /// kernel serves.
     Packed,
     /// `flash_attn_coop.wgsl`: cooperative matrices (tensor cores), f16 only, head dims that are
     /// multiples of 32, on devices that have them ([`super::WgpuBackend::has_cooperative_matrices`]).
