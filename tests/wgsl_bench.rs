@@ -174,12 +174,16 @@ fn bench() {
     eprintln!("|---|---|---|---|---|---|---|");
     // `ATTNKIT_BENCH_ONLY=text`: only the shapes whose name contains it (for tuning sweeps).
     let only = std::env::var("ATTNKIT_BENCH_ONLY").unwrap_or_default();
+    // `ATTNKIT_BENCH_LEAN=1`: the default kernel alone, no other kernel or backend (A/B sweeps).
+    let lean = std::env::var("ATTNKIT_BENCH_LEAN").is_ok_and(|v| v == "1");
     for s in shapes.iter().filter(|s| s.name().contains(&only)) {
         // Prefill (non-causal f16 and bf16): the portable kernels, packed and micro-tile, where
         // the default is another one; decode: the micro-tile kernel; timed on the same inputs as
         // the default (same device).
         let mut bes: Vec<&dyn AttentionBackend> = vec![&wgpu];
-        if s.block != 0 && s.hkv == 32 {
+        if lean {
+            // the default kernel alone
+        } else if s.block != 0 && s.hkv == 32 {
             bes.push(&mt);
         } else if s.block == 0 && !s.causal && s.dtype != DType::F32 {
             if s.dtype == DType::F16 && wgpu.has_cooperative_matrices() {
@@ -197,7 +201,7 @@ fn bench() {
                 continue;
             }
         };
-        let tc = cuda.as_ref().and_then(|c| time(&**c, s, &mut rng).ok());
+        let tc = cuda.as_ref().filter(|_| !lean).and_then(|c| time(&**c, s, &mut rng).ok());
         eprintln!(
             "| {} | {:.3} | {:.2} | {:.0} | {} | {} | {} |",
             s.name(),
@@ -285,12 +289,16 @@ fn sweep_decode() {
 /// register count and code size) and any internal representation it offers, through
 /// `VK_KHR_pipeline_executable_properties`, on the first non-CPU Vulkan device (else the first).
 /// The modules are naga's SPIR-V of the kernels ([`attnkit::wgpu::bench_kernel_modules`]).
-/// `ATTNKIT_STATS_DIR=dir` writes each internal representation to a file there. Fails when the
-/// device lacks the extension or a pipeline cannot be built.
+/// `ATTNKIT_STATS_DIR=dir` writes each internal representation to a file there;
+/// `ATTNKIT_STATS_ONLY=text` keeps the modules whose name contains the text. Fails when the device
+/// lacks the extension or a pipeline cannot be built.
 #[test]
 #[ignore]
 fn kernel_statistics() {
-    let modules = attnkit::wgpu::bench_kernel_modules().expect("kernel modules");
+    let mut modules = attnkit::wgpu::bench_kernel_modules().expect("kernel modules");
+    if let Ok(only) = std::env::var("ATTNKIT_STATS_ONLY") {
+        modules.retain(|(name, _)| name.contains(&only));
+    }
     let stats = driver_statistics(&modules, std::env::var("ATTNKIT_STATS_DIR").ok());
     assert!(stats, "the device lacks VK_KHR_pipeline_executable_properties: no statistics");
 }
@@ -636,6 +644,10 @@ fn inner_loops() {
     let mut probes = vec![
         Probe { regs_only: true, ..p(128, 16, 8, 8, 16, 0) },
         Probe { regs_only: true, ..p(256, 16, 4, 4, 16, 0) },
+        // q.k and p.v of the packed kernel's 4-row blocks (4x4 and 4x8, 128 threads, 16-bit K/V).
+        p(128, 16, 4, 4, 128, 1),
+        p(128, 16, 4, 8, 64, 1),
+        p(128, 16, 4, 4, 128, 0),
         // q.k of the packed kernel's first version (8x4, 64 threads, 16-bit K), alone and at its
         // 4 workgroups an SM.
         p(64, 16, 8, 4, 128, 1),
@@ -654,8 +666,7 @@ fn inner_loops() {
         p(64, 16, 4, 4, 128, 0),
         p(256, 16, 4, 4, 64, 0),
         p(256, 16, 4, 4, 128, 1),
-        // 4x8, 16x4.
-        p(128, 16, 4, 8, 64, 1),
+        // 16x4.
         p(128, 8, 16, 4, 64, 1),
     ];
     if let Ok(only) = std::env::var("ATTNKIT_PROBE_ONLY") {
