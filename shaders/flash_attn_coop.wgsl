@@ -65,6 +65,12 @@ const PS: u32 = BK + 4u;
 const KVB: u32 = 2u;
 const LW: u32 = (BK * D4 + WG - 1u) / WG; // 8-byte words of K (and of V) a thread loads per tile
 const HK: u32 = BK / 2u; // keys of one softmax invocation per tile
+// Whole tiles of a dense layout are loaded from one base a thread and a constant stride (no
+// per-word row arithmetic, clamp or layout test: 1.2x the kernel's speed on an H100,
+// docs/PERF_NOTES.md, wgpu v17): a thread's column is fixed when WG is a multiple of D4, and
+// every slot is in range when LW * WG = BK * D4.
+const FAST: bool = (WG % D4) == 0u && LW * WG == BK * D4;
+const RS: u32 = WG / D4; // rows apart of a thread's slots (FAST)
 const TAU: f32 = 8.0;
 
 // @include common.wgsl
@@ -103,6 +109,13 @@ fn put4(i: u32, w: vec2<u32>) {
     kvs[i + 1u] = a.y;
     kvs[i + 2u] = b.x;
     kvs[i + 3u] = b.y;
+}
+
+fn k_word(i: u32) -> vec2<u32> {
+    return kb[i];
+}
+fn v_word(i: u32) -> vec2<u32> {
+    return vb[i];
 }
 
 // The K word (.xy) and V word (.zw) that thread slot `x` loads for the tile starting at key `j0`.
@@ -340,10 +353,19 @@ fn main(
     // K and V words of the first tile.
     var kw: array<vec2<u32>, LW>;
     var vw: array<vec2<u32>, LW>;
-    for (var it = 0u; it < LW; it++) {
-        let w = kv_words(tid + it * WG, start, end, kvi, hkv, kh);
-        kw[it] = w.xy;
-        vw[it] = w.zw;
+    let rowst = hkv * D4;
+    if (FAST && !kvi.paged && start + i32(BK) <= end) {
+        let base = ((kvi.k0 + u32(start) + tid / D4) * hkv + kh) * D4 + tid % D4;
+        for (var it = 0u; it < LW; it++) {
+            kw[it] = k_word(base + it * RS * rowst);
+            vw[it] = v_word(base + it * RS * rowst);
+        }
+    } else {
+        for (var it = 0u; it < LW; it++) {
+            let w = kv_words(tid + it * WG, start, end, kvi, hkv, kh);
+            kw[it] = w.xy;
+            vw[it] = w.zw;
+        }
     }
 
     var m = NEG;
@@ -357,10 +379,18 @@ fn main(
         stage(kb, j0, j0 >= lo_x && j0 + i32(BK) <= min(hi_n, end), end, tid, &kw, &vw);
         workgroupBarrier();
         let jn = j0 + i32(BK);
-        for (var it = 0u; it < LW; it++) {
-            let w = kv_words(tid + it * WG, jn, end, kvi, hkv, kh);
-            kw[it] = w.xy;
-            vw[it] = w.zw;
+        if (FAST && !kvi.paged && jn + i32(BK) <= end) {
+            let base = ((kvi.k0 + u32(jn) + tid / D4) * hkv + kh) * D4 + tid % D4;
+            for (var it = 0u; it < LW; it++) {
+                kw[it] = k_word(base + it * RS * rowst);
+                vw[it] = v_word(base + it * RS * rowst);
+            }
+        } else {
+            for (var it = 0u; it < LW; it++) {
+                let w = kv_words(tid + it * WG, jn, end, kvi, hkv, kh);
+                kw[it] = w.xy;
+                vw[it] = w.zw;
+            }
         }
 
         if (DEBUG == 6u) {

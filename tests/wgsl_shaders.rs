@@ -80,12 +80,9 @@ fn every_specialisation_validates() {
                     if d % bk != 0 || bk < 8 * nw {
                         continue;
                     }
-                    // Subgroup barriers (the default) and workgroup barriers (the A/B knob).
-                    for sgs in [1, 0] {
-                        let s = specialize(&src, &[("D", d), ("NW", nw), ("BK", bk), ("SGS", sgs)]);
-                        if let Err(e) = validate(&format!("{name} (D {d}, NW {nw}, BK {bk}, SGS {sgs})"), &s) {
-                            errors.push(e);
-                        }
+                    let s = specialize(&src, &[("D", d), ("NW", nw), ("BK", bk)]);
+                    if let Err(e) = validate(&format!("{name} (D {d}, NW {nw}, BK {bk})"), &s) {
+                        errors.push(e);
                     }
                     // The diagnosis stages (ATTNKIT_WGPU_COOP_DEBUG) on one tile.
                     if (d, nw, bk) == (64, 4, 32) {
