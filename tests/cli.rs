@@ -310,7 +310,9 @@ fn close(what: &str, got: f64, want: f64, atol: f64, rtol: f64) {
 
 /// Write the case, run `attnkit run` on `backend`, compare with the expected result.
 fn run_and_compare(name: &str, spec: &Spec, backend: &str) {
-    let dir = tmpdir(name);
+    // A folder per case and backend: the tests of several backends run the same cases at once in
+    // this process, and a shared case file could be read while another test rewrites it.
+    let dir = tmpdir(&format!("{name}-{backend}"));
     let case = dir.join(format!("{name}.safetensors"));
     let res = dir.join(format!("{name}.{backend}.out.safetensors"));
     let w = spec.write(7 + name.len() as u64);
