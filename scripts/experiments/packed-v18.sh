@@ -18,7 +18,7 @@ cd "$(dirname "$0")/../.."
 here=scripts/experiments
 if [[ ${1:-} == bundle ]]; then
   git apply --check "$here/packed-v18.patch"
-  FEATURES=cuda,wgpu,cli TESTS="wgsl_bench" bash scripts/gpu-bundle.sh
+  FEATURES=cuda,wgpu TESTS="wgsl_bench" bash scripts/gpu-bundle.sh # no cli: no release build
   cp bundle/bin/wgsl_bench /tmp/attnkit-base-wgsl_bench
   git apply "$here/packed-v18.patch"
   FEATURES=cuda,wgpu,cli TESTS="wgsl_bench wgsl_backend conformance" bash scripts/gpu-bundle.sh
