@@ -63,3 +63,6 @@ for ab in 0 16; do echo "-- 16x64 AB=$ab"; ATTNKIT_WGPU_PACKED_SKIP=1 ATTNKIT_WG
 for ab in 30 1 2 4 8; do echo "-- AB=$ab"; ATTNKIT_WGPU_AB=$ab lean $B/wgsl_bench "bf16 dense B4"; done
 for ab in 3 28; do echo "-- 16x64 AB=$ab"; ATTNKIT_WGPU_PACKED_SKIP=1 ATTNKIT_WGPU_AB=$ab lean $B/wgsl_bench "bf16 dense B4"; done
 echo "-- base again"; lean bundle/base/wgsl_bench "16 dense B4"
+echo "== probes: the 4-row loops alone"
+ATTNKIT_PROBE_ONLY="wg128 nx16" timeout 45 $B/wgsl_bench --ignored --nocapture inner_loops > "$O/probes.txt" 2>&1; echo "rc=$?"
+grep -E "^\|" "$O/probes.txt" | cut -c1-160 | head -20
