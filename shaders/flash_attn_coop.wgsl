@@ -111,13 +111,6 @@ fn put4(i: u32, w: vec2<u32>) {
     kvs[i + 3u] = b.y;
 }
 
-fn k_word(i: u32) -> vec2<u32> {
-    return kb[i];
-}
-fn v_word(i: u32) -> vec2<u32> {
-    return vb[i];
-}
-
 // The K word (.xy) and V word (.zw) that thread slot `x` loads for the tile starting at key `j0`.
 fn kv_words(x: u32, j0: i32, end: i32, kvi: Kv, hkv: u32, kh: u32) -> vec4<u32> {
     // No branch: an index past the tile or the keys is clamped to a real word, and the caller
@@ -129,18 +122,37 @@ fn kv_words(x: u32, j0: i32, end: i32, kvi: Kv, hkv: u32, kh: u32) -> vec4<u32> 
     return vec4<u32>(kb[e], vb[e]);
 }
 
-// The K and V words of the tile starting at key `j0` into the tile buffer at `kb`. Keys past
+// The K and V words that thread `tid` loads for the tile starting at key `j`: a whole tile of a
+// dense layout from one base and a constant stride (`FAST`), else `kv_words` a slot.
+fn tile_words(j: i32, end: i32, kvi: Kv, hkv: u32, kh: u32, tid: u32, kw: ptr<function, array<vec2<u32>, LW>>, vw: ptr<function, array<vec2<u32>, LW>>) {
+    if (FAST && !kvi.paged && j + i32(BK) <= end) {
+        let rowst = hkv * D4; // words from one kv row to the next
+        let base = ((kvi.k0 + u32(j) + tid / D4) * hkv + kh) * D4 + tid % D4;
+        for (var it = 0u; it < LW; it++) {
+            (*kw)[it] = kb[base + it * RS * rowst];
+            (*vw)[it] = vb[base + it * RS * rowst];
+        }
+    } else {
+        for (var it = 0u; it < LW; it++) {
+            let w = kv_words(tid + it * WG, j, end, kvi, hkv, kh);
+            (*kw)[it] = w.xy;
+            (*vw)[it] = w.zw;
+        }
+    }
+}
+
+// The K and V words of the tile starting at key `j0` into the tile buffer at `tb`. Keys past
 // `end` are zeroed (their words were loaded from a clamped index), and non-finite values of V
 // too: a row that cannot see one would otherwise get 0 * NaN. A clean tile (every row of the
 // workgroup sees every key) needs neither: it goes as loaded.
-fn stage(kb: u32, j0: i32, clean: bool, end: i32, tid: u32, kw: ptr<function, array<vec2<u32>, LW>>, vw: ptr<function, array<vec2<u32>, LW>>) {
+fn stage(tb: u32, j0: i32, clean: bool, end: i32, tid: u32, kw: ptr<function, array<vec2<u32>, LW>>, vw: ptr<function, array<vec2<u32>, LW>>) {
     if (clean) {
         for (var it = 0u; it < LW; it++) {
             let x = tid + it * WG;
             if (x < BK * D4) {
                 let off = (x / D4) * KS + (x % D4) * 4u;
-                put4(kb + off, (*kw)[it]);
-                put4(kb + BK * KS + off, (*vw)[it]);
+                put4(tb + off, (*kw)[it]);
+                put4(tb + BK * KS + off, (*vw)[it]);
             }
         }
         return;
@@ -151,20 +163,20 @@ fn stage(kb: u32, j0: i32, clean: bool, end: i32, tid: u32, kw: ptr<function, ar
             let off = (x / D4) * KS + (x % D4) * 4u;
             let live = j0 + i32(x / D4) < end;
             let v = vec2<u32>(finite_h2((*vw)[it].x), finite_h2((*vw)[it].y));
-            put4(kb + off, select(vec2<u32>(0u), (*kw)[it], live));
-            put4(kb + BK * KS + off, select(vec2<u32>(0u), v, live));
+            put4(tb + off, select(vec2<u32>(0u), (*kw)[it], live));
+            put4(tb + BK * KS + off, select(vec2<u32>(0u), v, live));
         }
     }
 }
 
 // K^T block (d block n, keys of block kb2) as a column-major B matrix: (d, j) at kvs[j * KS + d].
-fn kt(kb: u32, kb2: u32, n: u32) -> coop_mat16x16<f16, B> {
-    return coopLoad<coop_mat16x16<f16, B>>(&kvs[kb + kb2 * 16u * KS + n * 16u], KS);
+fn kt(tb: u32, kb2: u32, n: u32) -> coop_mat16x16<f16, B> {
+    return coopLoad<coop_mat16x16<f16, B>>(&kvs[tb + kb2 * 16u * KS + n * 16u], KS);
 }
 
 // V block (keys of block kb2, d block n) as a row-major B matrix: (j, d) at kvs[(BK + j) * KS + d].
-fn vt(kb: u32, kb2: u32, n: u32) -> coop_mat16x16<f16, B> {
-    return coopLoadT<coop_mat16x16<f16, B>>(&kvs[kb + (BK + kb2 * 16u) * KS + n * 16u], KS);
+fn vt(tb: u32, kb2: u32, n: u32) -> coop_mat16x16<f16, B> {
+    return coopLoadT<coop_mat16x16<f16, B>>(&kvs[tb + (BK + kb2 * 16u) * KS + n * 16u], KS);
 }
 
 // Orders the workgroup-memory accesses of the steps of a tile that touch only this subgroup's
@@ -353,45 +365,20 @@ fn main(
     // K and V words of the first tile.
     var kw: array<vec2<u32>, LW>;
     var vw: array<vec2<u32>, LW>;
-    let rowst = hkv * D4;
-    if (FAST && !kvi.paged && start + i32(BK) <= end) {
-        let base = ((kvi.k0 + u32(start) + tid / D4) * hkv + kh) * D4 + tid % D4;
-        for (var it = 0u; it < LW; it++) {
-            kw[it] = k_word(base + it * RS * rowst);
-            vw[it] = v_word(base + it * RS * rowst);
-        }
-    } else {
-        for (var it = 0u; it < LW; it++) {
-            let w = kv_words(tid + it * WG, start, end, kvi, hkv, kh);
-            kw[it] = w.xy;
-            vw[it] = w.zw;
-        }
-    }
+    tile_words(start, end, kvi, hkv, kh, tid, &kw, &vw);
 
     var m = NEG;
     var l = 0.0;
     var parity = 0u;
     for (var j0 = start; j0 < end; j0 += i32(BK)) {
         // This tile's K/V buffer (the previous tile's may still be read).
-        let kb = parity * 2u * BK * KS;
+        let tb = parity * 2u * BK * KS;
         parity ^= 1u;
         // 1. This tile into workgroup memory; the next tile's loads in flight.
-        stage(kb, j0, j0 >= lo_x && j0 + i32(BK) <= min(hi_n, end), end, tid, &kw, &vw);
+        stage(tb, j0, j0 >= lo_x && j0 + i32(BK) <= min(hi_n, end), end, tid, &kw, &vw);
         workgroupBarrier();
         let jn = j0 + i32(BK);
-        if (FAST && !kvi.paged && jn + i32(BK) <= end) {
-            let base = ((kvi.k0 + u32(jn) + tid / D4) * hkv + kh) * D4 + tid % D4;
-            for (var it = 0u; it < LW; it++) {
-                kw[it] = k_word(base + it * RS * rowst);
-                vw[it] = v_word(base + it * RS * rowst);
-            }
-        } else {
-            for (var it = 0u; it < LW; it++) {
-                let w = kv_words(tid + it * WG, jn, end, kvi, hkv, kh);
-                kw[it] = w.xy;
-                vw[it] = w.zw;
-            }
-        }
+        tile_words(jn, end, kvi, hkv, kh, tid, &kw, &vw);
 
         if (DEBUG == 6u) {
             let x = (lane / 2u) * KS + half * 8u;
@@ -399,7 +386,7 @@ fn main(
             return;
         }
         if (DEBUG == 7u) {
-            coopStoreT(kt(kb, 0u, 0u), &ps[sg * 16u * PS], PS);
+            coopStoreT(kt(tb, 0u, 0u), &ps[sg * 16u * PS], PS);
             workgroupBarrier();
             let x = sg * 16u * PS + (lane / 2u) * PS + half * 8u;
             debug_put(s, i, h, hq, half, vec4<f32>(f32(ps[x]), f32(ps[x + 1u]), f32(ps[x + 2u]), f32(ps[x + 3u])), vec4<f32>(f32(ps[x + 4u]), f32(ps[x + 5u]), f32(ps[x + 6u]), f32(ps[x + 7u])));
@@ -414,15 +401,15 @@ fn main(
             let k1 = min(kp + 1u, KM - 1u);
             var c0 = coop_mat16x16<f32, C>();
             var c1 = coop_mat16x16<f32, C>();
-            c0 = coopMultiplyAdd(q0, kt(kb, kp, 0u), c0);
-            c1 = coopMultiplyAdd(q0, kt(kb, k1, 0u), c1);
-            if (DM > 1u) { c0 = coopMultiplyAdd(q1, kt(kb, kp, 1u), c0); c1 = coopMultiplyAdd(q1, kt(kb, k1, 1u), c1); }
-            if (DM > 2u) { c0 = coopMultiplyAdd(q2, kt(kb, kp, 2u), c0); c1 = coopMultiplyAdd(q2, kt(kb, k1, 2u), c1); }
-            if (DM > 3u) { c0 = coopMultiplyAdd(q3, kt(kb, kp, 3u), c0); c1 = coopMultiplyAdd(q3, kt(kb, k1, 3u), c1); }
-            if (DM > 4u) { c0 = coopMultiplyAdd(q4, kt(kb, kp, 4u), c0); c1 = coopMultiplyAdd(q4, kt(kb, k1, 4u), c1); }
-            if (DM > 5u) { c0 = coopMultiplyAdd(q5, kt(kb, kp, 5u), c0); c1 = coopMultiplyAdd(q5, kt(kb, k1, 5u), c1); }
-            if (DM > 6u) { c0 = coopMultiplyAdd(q6, kt(kb, kp, 6u), c0); c1 = coopMultiplyAdd(q6, kt(kb, k1, 6u), c1); }
-            if (DM > 7u) { c0 = coopMultiplyAdd(q7, kt(kb, kp, 7u), c0); c1 = coopMultiplyAdd(q7, kt(kb, k1, 7u), c1); }
+            c0 = coopMultiplyAdd(q0, kt(tb, kp, 0u), c0);
+            c1 = coopMultiplyAdd(q0, kt(tb, k1, 0u), c1);
+            if (DM > 1u) { c0 = coopMultiplyAdd(q1, kt(tb, kp, 1u), c0); c1 = coopMultiplyAdd(q1, kt(tb, k1, 1u), c1); }
+            if (DM > 2u) { c0 = coopMultiplyAdd(q2, kt(tb, kp, 2u), c0); c1 = coopMultiplyAdd(q2, kt(tb, k1, 2u), c1); }
+            if (DM > 3u) { c0 = coopMultiplyAdd(q3, kt(tb, kp, 3u), c0); c1 = coopMultiplyAdd(q3, kt(tb, k1, 3u), c1); }
+            if (DM > 4u) { c0 = coopMultiplyAdd(q4, kt(tb, kp, 4u), c0); c1 = coopMultiplyAdd(q4, kt(tb, k1, 4u), c1); }
+            if (DM > 5u) { c0 = coopMultiplyAdd(q5, kt(tb, kp, 5u), c0); c1 = coopMultiplyAdd(q5, kt(tb, k1, 5u), c1); }
+            if (DM > 6u) { c0 = coopMultiplyAdd(q6, kt(tb, kp, 6u), c0); c1 = coopMultiplyAdd(q6, kt(tb, k1, 6u), c1); }
+            if (DM > 7u) { c0 = coopMultiplyAdd(q7, kt(tb, kp, 7u), c0); c1 = coopMultiplyAdd(q7, kt(tb, k1, 7u), c1); }
             coopStoreT(c0, &ss[sg * 16u * SS + kp * 16u], SS);
             if (k1 > kp) {
                 coopStoreT(c1, &ss[sg * 16u * SS + k1 * 16u], SS);
@@ -523,14 +510,14 @@ fn main(
         // 4. O += P V. V as a row-major B matrix: element (j, d) at kvs[(BK + j) * KS + d].
         for (var kb2 = 0u; kb2 < KM; kb2++) {
             let pa = coopLoadT<coop_mat16x16<f16, A>>(&ps[sg * 16u * PS + kb2 * 16u], PS);
-            o0 = coopMultiplyAdd(pa, vt(kb, kb2, 0u), o0);
-            if (DM > 1u) { o1 = coopMultiplyAdd(pa, vt(kb, kb2, 1u), o1); }
-            if (DM > 2u) { o2 = coopMultiplyAdd(pa, vt(kb, kb2, 2u), o2); }
-            if (DM > 3u) { o3 = coopMultiplyAdd(pa, vt(kb, kb2, 3u), o3); }
-            if (DM > 4u) { o4 = coopMultiplyAdd(pa, vt(kb, kb2, 4u), o4); }
-            if (DM > 5u) { o5 = coopMultiplyAdd(pa, vt(kb, kb2, 5u), o5); }
-            if (DM > 6u) { o6 = coopMultiplyAdd(pa, vt(kb, kb2, 6u), o6); }
-            if (DM > 7u) { o7 = coopMultiplyAdd(pa, vt(kb, kb2, 7u), o7); }
+            o0 = coopMultiplyAdd(pa, vt(tb, kb2, 0u), o0);
+            if (DM > 1u) { o1 = coopMultiplyAdd(pa, vt(tb, kb2, 1u), o1); }
+            if (DM > 2u) { o2 = coopMultiplyAdd(pa, vt(tb, kb2, 2u), o2); }
+            if (DM > 3u) { o3 = coopMultiplyAdd(pa, vt(tb, kb2, 3u), o3); }
+            if (DM > 4u) { o4 = coopMultiplyAdd(pa, vt(tb, kb2, 4u), o4); }
+            if (DM > 5u) { o5 = coopMultiplyAdd(pa, vt(tb, kb2, 5u), o5); }
+            if (DM > 6u) { o6 = coopMultiplyAdd(pa, vt(tb, kb2, 6u), o6); }
+            if (DM > 7u) { o7 = coopMultiplyAdd(pa, vt(tb, kb2, 7u), o7); }
         }
         if (DEBUG == 4u) {
             if (half == 0u) {

@@ -45,7 +45,7 @@ const MASKED: f32 = -3.3e38; // below NEG: a score no row may use
 // docs/PERF_NOTES.md, wgpu v17): a thread's column is fixed when WG is a multiple of D4, and
 // every item is in range when the tile's items are a multiple of WG.
 const FAST: bool = (WG % D4) == 0u && ((KG * D4) % WG) == 0u && ((BK * D4) % WG) == 0u;
-const RS: u32 = WG / max(D4, 1u); // rows apart of a thread's items (FAST)
+const RS: u32 = WG / D4; // rows apart of a thread's items (FAST)
 
 const M_HQ: u32 = 1u;
 const M_HKV: u32 = 2u;
@@ -322,6 +322,57 @@ fn raw_v(e: u32) -> vec2<u32> {
     return vb[e / 4u];
 }
 
+// The K words of the tile starting at key `j` (4 keys of a (key group, column) item, a word each)
+// into `kr`. A whole tile of a dense layout: from one base and a constant stride. Else a row a
+// word: keys past `end` load the last key (a clamped index) and are masked afterwards.
+fn load_k(j: i32, end: i32, kvi: Kv, hkv: u32, kh: u32, tid: u32, kr: ptr<function, array<vec2<u32>, KI * 4u>>) {
+    if (FAST && !kvi.paged && j + i32(BK) <= end) {
+        let rowst = hkv * D4; // words from one kv row to the next
+        let base = ((kvi.k0 + u32(j) + (tid / D4) * 4u) * hkv + kh) * D4 + tid % D4;
+        // @unroll
+        for (var it = 0u; it < KI; it++) {
+            // @unroll
+            for (var kj = 0u; kj < 4u; kj++) {
+                (*kr)[it * 4u + kj] = kb[base + (it * RS * 4u + kj) * rowst];
+            }
+        }
+    } else {
+        // @unroll
+        for (var it = 0u; it < KI; it++) {
+            let x = tid + it * WG;
+            if (x < KG * D4) {
+                // @unroll
+                for (var kj = 0u; kj < 4u; kj++) {
+                    let jc = min(j + i32((x / D4) * 4u + kj), end - 1);
+                    (*kr)[it * 4u + kj] = raw_k((k_row(kvi, u32(jc)) * hkv + kh) * D + (x % D4) * 4u);
+                }
+            }
+        }
+    }
+}
+
+// The V words of the tile starting at key `j` (a (key, column) item a word) into `vr`, as
+// `load_k` does; keys past `end` are zeroed when stored.
+fn load_v(j: i32, end: i32, kvi: Kv, hkv: u32, kh: u32, tid: u32, vr: ptr<function, array<vec2<u32>, VI>>) {
+    if (FAST && !kvi.paged && j + i32(BK) <= end) {
+        let rowst = hkv * D4;
+        let base = ((kvi.k0 + u32(j) + tid / D4) * hkv + kh) * D4 + tid % D4;
+        // @unroll
+        for (var it = 0u; it < VI; it++) {
+            (*vr)[it] = vb[base + it * RS * rowst];
+        }
+    } else {
+        // @unroll
+        for (var it = 0u; it < VI; it++) {
+            let x = tid + it * WG;
+            if (x < BK * D4) {
+                let jc = min(j + i32(x / D4), end - 1);
+                (*vr)[it] = raw_v((k_row(kvi, u32(jc)) * hkv + kh) * D + (x % D4) * 4u);
+            }
+        }
+    }
+}
+
 // Per-thread arrays (the output rows, the K/V words in flight) are indexed only by counters of
 // loops marked `// @unroll`, which the host unrolls (backends/wgpu/unroll.rs).
 @compute @workgroup_size(WG)
@@ -417,28 +468,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
     // are masked (K) or zeroed (V) afterwards.
     var kreg: array<vec2<u32>, KI * 4u>;
     var vreg: array<vec2<u32>, VI>;
-    let rowst = hkv * D4; // words from one kv row to the next
-    if (FAST && !kvi.paged && start + i32(BK) <= end) {
-        let kbase = ((kvi.k0 + u32(start) + (tid / D4) * 4u) * hkv + kh) * D4 + tid % D4;
-        // @unroll
-        for (var it = 0u; it < KI; it++) {
-            // @unroll
-            for (var kj = 0u; kj < 4u; kj++) {
-                kreg[it * 4u + kj] = kb[kbase + (it * RS * 4u + kj) * rowst];
-            }
-        }
-    } else if (start < end) {
-        // @unroll
-        for (var it = 0u; it < KI; it++) {
-            let x = tid + it * WG;
-            if (x < KG * D4) {
-                // @unroll
-                for (var kj = 0u; kj < 4u; kj++) {
-                    let j = min(start + i32((x / D4) * 4u + kj), end - 1);
-                    kreg[it * 4u + kj] = raw_k((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
-                }
-            }
-        }
+    if (start < end) {
+        load_k(start, end, kvi, hkv, kh, tid, &kreg);
     }
 
     for (var j0 = start; j0 < end; j0 += i32(BK)) {
@@ -463,22 +494,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         }
         workgroupBarrier();
         // This tile's V, in flight during q.k.
-        if (FAST && !kvi.paged && j0 + i32(BK) <= end) {
-            let vbase = ((kvi.k0 + u32(j0) + tid / D4) * hkv + kh) * D4 + tid % D4;
-            // @unroll
-            for (var it = 0u; it < VI; it++) {
-                vreg[it] = vb[vbase + it * RS * rowst];
-            }
-        } else {
-            // @unroll
-            for (var it = 0u; it < VI; it++) {
-                let x = tid + it * WG;
-                if (x < BK * D4) {
-                    let j = min(j0 + i32(x / D4), end - 1);
-                    vreg[it] = raw_v((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
-                }
-            }
-        }
+        load_v(j0, end, kvi, hkv, kh, tid, &vreg);
 
         // 4x4 score block: rows 4ty.., keys 4tx.. (a row a vector over the 4 keys).
         var a0 = vec4<f32>(0.0);
@@ -551,27 +567,8 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         workgroupBarrier(); // P and the V tile are written
         // The next tile's K, in flight during p.v.
         let jn = j0 + i32(BK);
-        if (FAST && !kvi.paged && jn + i32(BK) <= end) {
-            let kbase = ((kvi.k0 + u32(jn) + (tid / D4) * 4u) * hkv + kh) * D4 + tid % D4;
-            // @unroll
-            for (var it = 0u; it < KI; it++) {
-                // @unroll
-                for (var kj = 0u; kj < 4u; kj++) {
-                    kreg[it * 4u + kj] = kb[kbase + (it * RS * 4u + kj) * rowst];
-                }
-            }
-        } else if (jn < end) {
-            // @unroll
-            for (var it = 0u; it < KI; it++) {
-                let x = tid + it * WG;
-                if (x < KG * D4) {
-                    // @unroll
-                    for (var kj = 0u; kj < 4u; kj++) {
-                        let j = min(jn + i32((x / D4) * 4u + kj), end - 1);
-                        kreg[it * 4u + kj] = raw_k((k_row(kvi, u32(j)) * hkv + kh) * D + (x % D4) * 4u);
-                    }
-                }
-            }
+        if (jn < end) {
+            load_k(jn, end, kvi, hkv, kh, tid, &kreg);
         }
 
         // O block += P V: rows 4ty.., vec4 columns tx, tx + KG, ...
