@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The packed-kernel A/B of docs/PERF_NOTES.md (wgpu v18), ready to run: the switches live in
-# packed-v18.patch (against commit 7e0b025's kernels), not in the crate.
+# packed-v18.patch (against commit 2080715's kernels), not in the crate.
 #
 #   bash scripts/experiments/packed-v18.sh bundle   # here: bundle/ with the patched binaries and
 #                                                   # bundle/base/wgsl_bench built without the patch
@@ -45,7 +45,7 @@ grep -E "test result|FAILED|panicked" "$O/wgsl_backend.txt" | head -8
 lean() { ATTNKIT_BENCH_LEAN=1 ATTNKIT_BENCH_ONLY="$2" timeout 60 "$1" --ignored --nocapture bench 2>&1 | tee -a "$O/ab_raw.txt" | grep -E "^\| b?f16 dense" | cut -c1-150; }
 st() { ATTNKIT_STATS_ONLY="packed bf16" timeout 30 $B/wgsl_bench --ignored --nocapture kernel_statistics 2>&1 | grep -E "^packed" | cut -c1-250; }
 echo "== A/B"
-echo "-- base"; lean bundle/base/wgsl_bench "16 dense B4"
+echo "-- base (HEAD)"; lean bundle/base/wgsl_bench "16 dense B4"
 echo "-- patched"; lean $B/wgsl_bench "16 dense B4"
 for ab in 3 28; do echo "-- AB=$ab"; ATTNKIT_WGPU_AB=$ab lean $B/wgsl_bench "bf16 dense B4"; done
 for ab in 0 16; do echo "-- 16x64 AB=$ab"; ATTNKIT_WGPU_PACKED_SKIP=1 ATTNKIT_WGPU_AB=$ab lean $B/wgsl_bench "bf16 dense B4"; done
