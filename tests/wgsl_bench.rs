@@ -181,15 +181,15 @@ fn bench() {
         // the default is another one; decode: the micro-tile kernel; timed on the same inputs as
         // the default (same device).
         let mut bes: Vec<&dyn AttentionBackend> = vec![&wgpu];
-        if lean {
-            // the default kernel alone
-        } else if s.block != 0 && s.hkv == 32 {
-            bes.push(&mt);
-        } else if s.block == 0 && !s.causal && s.dtype != DType::F32 {
-            if s.dtype == DType::F16 && wgpu.has_cooperative_matrices() {
-                bes.push(&packed);
+        if !lean {
+            if s.block != 0 && s.hkv == 32 {
+                bes.push(&mt);
+            } else if s.block == 0 && !s.causal && s.dtype != DType::F32 {
+                if s.dtype == DType::F16 && wgpu.has_cooperative_matrices() {
+                    bes.push(&packed);
+                }
+                bes.push(&mt);
             }
-            bes.push(&mt);
         }
         let (tw, to) = match time_each(&bes, s, &mut rng) {
             Ok(t) => (
