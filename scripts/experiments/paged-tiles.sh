@@ -30,7 +30,7 @@ echo "usage: $0 bundle"
 exit 2
 # ---- run ----
 # On the GPU machine, from the checkout's root: the Vulkan loader from .gl, then the tests, the
-# A/B (base, new, base, new), the full bench, the peer, the suite.
+# A/B (base, new), the full bench, the peer, the suite, the A/B again.
 cd "$(dirname "$0")/.."
 for f in .gl/*.deb; do dpkg -x "$f" / 2>/dev/null; done
 ldconfig
@@ -42,10 +42,8 @@ ATTNKIT_REQUIRE_COOP=1 ATTNKIT_CASES=8 timeout 150 $B/wgsl_backend > "$O/wgsl_ba
 grep -E "test result|FAILED|panicked|^test " "$O/wgsl_backend.txt" | head -24
 lean() { ATTNKIT_BENCH_LEAN=1 ATTNKIT_BENCH_ONLY="$2" timeout 90 "$1" --ignored --nocapture bench 2>&1 | tee -a "$O/ab_raw.txt" | grep -E "^\| b?f16 (dense|paged16) B4" | cut -c1-150; }
 echo "== A/B: dense and paged16 prefill, default kernel alone"
-for r in 1 2; do
-  echo "-- base ($r)"; lean bundle/base/wgsl_bench " B4 "
-  echo "-- new ($r)"; lean $B/wgsl_bench " B4 "
-done
+echo "-- base"; lean bundle/base/wgsl_bench " B4 "
+echo "-- new"; lean $B/wgsl_bench " B4 "
 echo "== full bench (new)"
 timeout 150 $B/wgsl_bench --ignored --nocapture bench > "$O/bench.txt" 2>&1; echo "rc=$?"
 grep -E "^\|" "$O/bench.txt" | cut -c1-200
@@ -53,3 +51,6 @@ echo "== peer"
 timeout 80 bash bundle/run.sh anchor --quick > "$O/anchor.txt" 2>&1; echo "rc=$?"; tail -16 "$O/anchor.txt"
 echo "== conformance wgpu::"
 ATTNKIT_CASES=8 timeout 120 $B/conformance wgpu:: > "$O/conf.txt" 2>&1; echo "rc=$?"; grep -E "test result|FAILED|panicked" "$O/conf.txt" | head -8
+echo "== A/B again"
+echo "-- base"; lean bundle/base/wgsl_bench " B4 "
+echo "-- new"; lean $B/wgsl_bench " B4 "
