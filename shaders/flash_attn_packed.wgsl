@@ -46,6 +46,11 @@ const MASKED: f32 = -3.3e38; // below NEG: a score no row may use
 // every item is in range when the tile's items are a multiple of WG.
 const FAST: bool = (WG % D4) == 0u && ((KG * D4) % WG) == 0u && ((BK * D4) % WG) == 0u;
 const RS: u32 = WG / D4; // rows apart of a thread's items (FAST)
+// A K item is 4 consecutive keys; with FOUR a thread's V items are runs of 4 consecutive keys too
+// (`v_item`). A run lies in one block of a paged cache when the block size and the tile's first
+// key are multiples of 4, so a whole paged tile needs one block-table read a run, not one a word.
+const FOUR: bool = FAST && (VI % 4u) == 0u;
+const VR: u32 = VI / 4u; // V runs a thread (FOUR)
 
 const M_HQ: u32 = 1u;
 const M_HKV: u32 = 2u;
@@ -167,18 +172,24 @@ fn seq_of(b: u32) -> Seq {
 // Where the kv tokens of one sequence are, read from the metadata once per workgroup.
 struct Kv {
     paged: bool,
+    pow2: bool, // block size a power of two: shift and mask instead of a division
+    sh: u32,
     bs: u32,
     bt: u32, // first block-table entry of the sequence in md
     k0: u32,
 }
 
 fn kv_of(b: u32, s: Seq) -> Kv {
-    return Kv(md[M_KIND] == 2u, max(md[M_BS], 1u), md[M_OFF_BT] + b * md[M_MAXB], s.k0);
+    let bs = max(md[M_BS], 1u);
+    return Kv(md[M_KIND] == 2u, (bs & (bs - 1u)) == 0u, countTrailingZeros(bs), bs, md[M_OFF_BT] + b * md[M_MAXB], s.k0);
 }
 
 // Row of kv token `t` in k/v seen as [rows, Hkv, D].
 fn k_row(kvl: Kv, t: u32) -> u32 {
     if (kvl.paged) {
+        if (kvl.pow2) {
+            return (md[kvl.bt + (t >> kvl.sh)] << kvl.sh) | (t & (kvl.bs - 1u));
+        }
         return md[kvl.bt + t / kvl.bs] * kvl.bs + t % kvl.bs;
     }
     return kvl.k0 + t;
@@ -322,18 +333,34 @@ fn raw_v(e: u32) -> vec2<u32> {
     return vb[e / 4u];
 }
 
+// A whole paged tile takes the run path: block size and first key multiples of 4.
+fn runs(j: i32, end: i32, kvi: Kv) -> bool {
+    return FOUR && kvi.paged && (kvi.bs % 4u) == 0u && (j % 4) == 0 && j + i32(BK) <= end;
+}
+
 // The K words of the tile starting at key `j` (4 keys of a (key group, column) item, a word each)
-// into `kr`. A whole tile of a dense layout: from one base and a constant stride. Else a row a
-// word: keys past `end` load the last key (a clamped index) and are masked afterwards.
+// into `kr`. A whole tile of a dense layout: from one base and a constant stride; of a paged
+// layout: a block-table read an item. Else a row a word: keys past `end` load the last key (a
+// clamped index) and are masked afterwards.
 fn load_k(j: i32, end: i32, kvi: Kv, hkv: u32, kh: u32, tid: u32, kr: ptr<function, array<vec2<u32>, KI * 4u>>) {
+    let rowst = hkv * D4; // words from one kv row to the next
     if (FAST && !kvi.paged && j + i32(BK) <= end) {
-        let rowst = hkv * D4; // words from one kv row to the next
         let base = ((kvi.k0 + u32(j) + (tid / D4) * 4u) * hkv + kh) * D4 + tid % D4;
         // @unroll
         for (var it = 0u; it < KI; it++) {
             // @unroll
             for (var kj = 0u; kj < 4u; kj++) {
                 (*kr)[it * 4u + kj] = kb[base + (it * RS * 4u + kj) * rowst];
+            }
+        }
+    } else if (runs(j, end, kvi)) {
+        // @unroll
+        for (var it = 0u; it < KI; it++) {
+            let t = u32(j) + (tid / D4 + it * RS) * 4u; // the item's 4 keys, in one block
+            let base = (k_row(kvi, t) * hkv + kh) * D4 + tid % D4;
+            // @unroll
+            for (var kj = 0u; kj < 4u; kj++) {
+                (*kr)[it * 4u + kj] = kb[base + kj * rowst];
             }
         }
     } else {
@@ -351,20 +378,52 @@ fn load_k(j: i32, end: i32, kvi: Kv, hkv: u32, kh: u32, tid: u32, kr: ptr<functi
     }
 }
 
-// The V words of the tile starting at key `j` (a (key, column) item a word) into `vr`, as
+// Under FAST, the key of thread `tid`'s first V item and that of its item `it` from the first:
+// with FOUR, keys 4r..4r+3 (r = tid / D4), then the same 4 * RS keys on; else r, r + RS, ...
+fn v_first(tid: u32) -> u32 {
+    if (FOUR) {
+        return (tid / D4) * 4u;
+    }
+    return tid / D4;
+}
+fn v_step(it: u32) -> u32 {
+    if (FOUR) {
+        return (it / 4u) * RS * 4u + it % 4u;
+    }
+    return it * RS;
+}
+// The (key, column) item of the V tile ([key][d/4], a word) that thread `tid` loads as `it`.
+fn v_item(tid: u32, it: u32) -> u32 {
+    if (FAST) {
+        return (v_first(tid) + v_step(it)) * D4 + tid % D4;
+    }
+    return tid + it * WG;
+}
+
+// The V words of the tile starting at key `j` (item `v_item(tid, it)` into `vr[it]`), as
 // `load_k` does; keys past `end` are zeroed when stored.
 fn load_v(j: i32, end: i32, kvi: Kv, hkv: u32, kh: u32, tid: u32, vr: ptr<function, array<vec2<u32>, VI>>) {
+    let rowst = hkv * D4;
     if (FAST && !kvi.paged && j + i32(BK) <= end) {
-        let rowst = hkv * D4;
-        let base = ((kvi.k0 + u32(j) + tid / D4) * hkv + kh) * D4 + tid % D4;
+        let base = ((kvi.k0 + u32(j) + v_first(tid)) * hkv + kh) * D4 + tid % D4;
         // @unroll
         for (var it = 0u; it < VI; it++) {
-            (*vr)[it] = vb[base + it * RS * rowst];
+            (*vr)[it] = vb[base + v_step(it) * rowst];
+        }
+    } else if (runs(j, end, kvi)) {
+        // @unroll
+        for (var i4 = 0u; i4 < VR; i4++) {
+            let t = u32(j) + v_first(tid) + v_step(i4 * 4u); // 4 keys of one block
+            let base = (k_row(kvi, t) * hkv + kh) * D4 + tid % D4;
+            // @unroll
+            for (var kk = 0u; kk < 4u; kk++) {
+                (*vr)[i4 * 4u + kk] = vb[base + kk * rowst];
+            }
         }
     } else {
         // @unroll
         for (var it = 0u; it < VI; it++) {
-            let x = tid + it * WG;
+            let x = v_item(tid, it);
             if (x < BK * D4) {
                 let jc = min(j + i32(x / D4), end - 1);
                 (*vr)[it] = raw_v((k_row(kvi, u32(jc)) * hkv + kh) * D + (x % D4) * 4u);
@@ -529,7 +588,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (clean) {
             // @unroll
             for (var it = 0u; it < VI; it++) {
-                let x = tid + it * WG;
+                let x = v_item(tid, it);
                 if (x < BK * D4) {
                     kv[x] = vreg[it];
                 }
@@ -537,7 +596,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         } else {
             // @unroll
             for (var it = 0u; it < VI; it++) {
-                let x = tid + it * WG;
+                let x = v_item(tid, it);
                 if (x < BK * D4) {
                     let w = vec2<u32>(finite2(vreg[it].x), finite2(vreg[it].y));
                     kv[x] = select(w, vec2<u32>(0u), j0 + i32(x / D4) >= end);

@@ -118,6 +118,51 @@ fn packed_kernel_matches_reference() {
     }
 }
 
+/// Paged caches through the prefill kernels' whole-tile path (a block-table read a run of 4
+/// keys): block sizes that are multiples of 4 (the path) and not (the word path), head dims where
+/// a thread's words form runs (64, 128) and one where they do not (96), sequences of several
+/// 64-key tiles, windows that start tiles off a multiple of 4, shuffled blocks with NaN in every
+/// unused slot. The packed kernel here; the cooperative-matrix kernel too where the adapter has
+/// it (elsewhere a loud NOT RUN, or a failure under `ATTNKIT_REQUIRE_COOP=1`).
+#[test]
+fn paged_whole_tiles_match_reference() {
+    let Some(mut be) = be() else { return };
+    let mut kernels = vec![Kernel::Packed];
+    if coop_present(&be, "cooperative-matrix kernel on paged whole tiles") {
+        kernels.push(Kernel::Coop);
+    }
+    let mut rng = Rng::new(0xb10c);
+    for kernel in kernels {
+        be.set_kernel(Some(kernel));
+        for n in 0..case_count().max(8) {
+            let seed = rng.next_u64();
+            let b = 1 + rng.below(2);
+            let lens = (0..b).map(|_| (1 + rng.below(70), 130 + rng.below(200))).collect();
+            let window = n % 4 == 3;
+            let case = Case {
+                layout: LayoutKind::Paged,
+                dtype: if kernel == Kernel::Coop { DType::F16 } else { [DType::F16, DType::BF16][n % 2] },
+                lens,
+                hkv: 1 + rng.below(2),
+                group: [1, 2, 4][rng.below(3)],
+                d: [64, 128, 64, 128, 96][n % 5],
+                params: Params {
+                    causal: n % 2 == 0,
+                    window_left: window.then(|| 40 + rng.below(60)),
+                    window_right: window.then(|| rng.below(10)),
+                    ..Params::default()
+                },
+                alibi: n % 5 == 1,
+                block_size: [4, 8, 16, 32, 64, 12, 5, 16][n % 8],
+                lse: true,
+                seed,
+            };
+            be.set_kv_splits(if n % 3 == 2 { Some(2) } else { None });
+            check_against_reference(&be, &case).unwrap_or_else(|e| panic!("{kernel:?}, case {n}: {e}"));
+        }
+    }
+}
+
 /// A non-finite value that some rows of a tile see and others do not stays in the rows that see
 /// it: causal, V of key 40 NaN (Inf for half the cases), every portable kernel and dtype. Rows 0-39
 /// cannot see key 40 and must match the reference; the kernels scrub V where a tile is not seen

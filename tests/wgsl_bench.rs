@@ -22,7 +22,7 @@ struct Shape {
     sk: usize,
     d: usize,
     causal: bool,
-    /// Paged decode with this block size (sq must be 1); 0 = dense.
+    /// Paged, with this block size (a shuffled block table); 0 = dense.
     block: usize,
 }
 
@@ -148,11 +148,15 @@ fn bench() {
     };
     let decode =
         |hkv| Shape { dtype: DType::F16, b: 16, hq: 32, hkv, sq: 1, sk: 4096 / div, d: 128, causal: true, block: 16 };
+    // Prefill from a paged cache (blocks of 16, shuffled): the dense prefill's work.
+    let paged = |dtype| Shape { block: 16, ..prefill(dtype, false) };
     let shapes = [
         prefill(DType::F16, false),
         prefill(DType::BF16, false),
         prefill(DType::F32, false),
         prefill(DType::F16, true),
+        paged(DType::F16),
+        paged(DType::BF16),
         decode(32),
         decode(8),
     ];
@@ -177,14 +181,14 @@ fn bench() {
     // `ATTNKIT_BENCH_LEAN=1`: the default kernel alone, no other kernel or backend (A/B sweeps).
     let lean = std::env::var("ATTNKIT_BENCH_LEAN").is_ok_and(|v| v == "1");
     for s in shapes.iter().filter(|s| s.name().contains(&only)) {
-        // Prefill (non-causal f16 and bf16): the portable kernels, packed and micro-tile, where
-        // the default is another one; decode: the micro-tile kernel; timed on the same inputs as
-        // the default (same device).
+        // Prefill (non-causal f16 and bf16, dense or paged): the portable kernels, packed and
+        // micro-tile, where the default is another one; decode: the micro-tile kernel; timed on
+        // the same inputs as the default (same device).
         let mut bes: Vec<&dyn AttentionBackend> = vec![&wgpu];
         if !lean {
             if s.block != 0 && s.hkv == 32 {
                 bes.push(&mt);
-            } else if s.block == 0 && !s.causal && s.dtype != DType::F32 {
+            } else if s.sq > 1 && !s.causal && s.dtype != DType::F32 {
                 if s.dtype == DType::F16 && wgpu.has_cooperative_matrices() {
                     bes.push(&packed);
                 }
