@@ -35,7 +35,8 @@
 // below the array's constant length. Storage-buffer accesses stay clamped.
 //
 // The host puts shaders/include/common.wgsl (the metadata layout, bindings and masks it shares
-// with flash_attn.wgsl) in place of its `@include` line and specialises the lines marked `@spec` before compiling.
+// with flash_attn.wgsl) and runs.wgsl (which tile keys a thread loads, shared with the packed
+// kernel) in place of their `@include` lines and specialises the lines marked `@spec` before compiling.
 
 enable f16;
 enable wgpu_cooperative_matrix;
@@ -71,13 +72,12 @@ const HK: u32 = BK / 2u; // keys of one softmax invocation per tile
 // every slot is in range when LW * WG = BK * D4.
 const FAST: bool = (WG % D4) == 0u && LW * WG == BK * D4;
 const RS: u32 = WG / D4; // rows apart of a thread's slots (FAST)
-// With FOUR a thread's slots are runs of 4 consecutive keys (`slot`): a run lies in one block of
-// a paged cache when the block size and the tile's first key are multiples of 4, so a whole
-// paged tile needs one block-table read a run instead of one a word.
+// With FOUR a thread's slots are runs of 4 consecutive keys (shaders/include/runs.wgsl).
 const FOUR: bool = FAST && (LW % 4u) == 0u;
 const TAU: f32 = 8.0;
 
 // @include common.wgsl
+// @include runs.wgsl
 
 // K tile (rows 0..BK) then V tile (rows BK..2BK); before the first tile, the Q tile (BQ <= 2BK).
 var<workgroup> kvs: array<f16, KVB * 2u * BK * KS>;
@@ -126,42 +126,20 @@ fn kv_words(x: u32, j0: i32, end: i32, kvi: Kv, hkv: u32, kh: u32) -> vec4<u32> 
     return vec4<u32>(kb[e], vb[e]);
 }
 
-// Under FAST, the key of thread `tid`'s first word and that of its word `it` from the first:
-// with FOUR, keys 4r..4r+3 (r = tid / D4), then the same 4 * RS keys on; else r, r + RS, ...
-fn first_key(tid: u32) -> u32 {
-    if (FOUR) {
-        return (tid / D4) * 4u;
-    }
-    return tid / D4;
-}
-fn key_step(it: u32) -> u32 {
-    if (FOUR) {
-        return (it / 4u) * RS * 4u + it % 4u;
-    }
-    return it * RS;
-}
-// The (key, column) slot of the tile that thread `tid` loads as its word `it`.
-fn slot(tid: u32, it: u32) -> u32 {
-    if (FAST) {
-        return (first_key(tid) + key_step(it)) * D4 + tid % D4;
-    }
-    return tid + it * WG;
-}
-
 // The K and V words that thread `tid` loads for the tile starting at key `j`: a whole tile of a
 // dense layout from one base and a constant stride (`FAST`); a whole tile of a paged layout with
 // one block-table read per run of 4 keys (`FOUR`); else `kv_words` a slot.
 fn tile_words(j: i32, end: i32, kvi: Kv, hkv: u32, kh: u32, tid: u32, kw: ptr<function, array<vec2<u32>, LW>>, vw: ptr<function, array<vec2<u32>, LW>>) {
     let rowst = hkv * D4; // words from one kv row to the next
     if (FAST && !kvi.paged && j + i32(BK) <= end) {
-        let base = ((kvi.k0 + u32(j) + first_key(tid)) * hkv + kh) * D4 + tid % D4;
+        let base = ((kvi.k0 + u32(j) + run_first(tid)) * hkv + kh) * D4 + tid % D4;
         for (var it = 0u; it < LW; it++) {
-            (*kw)[it] = kb[base + key_step(it) * rowst];
-            (*vw)[it] = vb[base + key_step(it) * rowst];
+            (*kw)[it] = kb[base + run_step(it) * rowst];
+            (*vw)[it] = vb[base + run_step(it) * rowst];
         }
     } else if (FOUR && kvi.paged && (kvi.bs % 4u) == 0u && (j % 4) == 0 && j + i32(BK) <= end) {
         for (var i4 = 0u; i4 < LW / 4u; i4++) {
-            let t = u32(j) + first_key(tid) + key_step(i4 * 4u); // 4 keys of one block
+            let t = u32(j) + run_first(tid) + run_step(i4 * 4u); // 4 keys of one block
             let base = (k_row(kvi, t) * hkv + kh) * D4 + tid % D4;
             for (var kk = 0u; kk < 4u; kk++) {
                 (*kw)[i4 * 4u + kk] = kb[base + kk * rowst];
@@ -170,7 +148,7 @@ fn tile_words(j: i32, end: i32, kvi: Kv, hkv: u32, kh: u32, tid: u32, kw: ptr<fu
         }
     } else {
         for (var it = 0u; it < LW; it++) {
-            let w = kv_words(slot(tid, it), j, end, kvi, hkv, kh);
+            let w = kv_words(run_slot(tid, it), j, end, kvi, hkv, kh);
             (*kw)[it] = w.xy;
             (*vw)[it] = w.zw;
         }
@@ -184,7 +162,7 @@ fn tile_words(j: i32, end: i32, kvi: Kv, hkv: u32, kh: u32, tid: u32, kw: ptr<fu
 fn stage(tb: u32, j0: i32, clean: bool, end: i32, tid: u32, kw: ptr<function, array<vec2<u32>, LW>>, vw: ptr<function, array<vec2<u32>, LW>>) {
     if (clean) {
         for (var it = 0u; it < LW; it++) {
-            let x = slot(tid, it);
+            let x = run_slot(tid, it);
             if (x < BK * D4) {
                 let off = (x / D4) * KS + (x % D4) * 4u;
                 put4(tb + off, (*kw)[it]);
@@ -194,7 +172,7 @@ fn stage(tb: u32, j0: i32, clean: bool, end: i32, tid: u32, kw: ptr<function, ar
         return;
     }
     for (var it = 0u; it < LW; it++) {
-        let x = slot(tid, it);
+        let x = run_slot(tid, it);
         if (x < BK * D4) {
             let off = (x / D4) * KS + (x % D4) * 4u;
             let live = j0 + i32(x / D4) < end;

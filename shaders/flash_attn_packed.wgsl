@@ -46,9 +46,9 @@ const MASKED: f32 = -3.3e38; // below NEG: a score no row may use
 // every item is in range when the tile's items are a multiple of WG.
 const FAST: bool = (WG % D4) == 0u && ((KG * D4) % WG) == 0u && ((BK * D4) % WG) == 0u;
 const RS: u32 = WG / D4; // rows apart of a thread's items (FAST)
-// A K item is 4 consecutive keys; with FOUR a thread's V items are runs of 4 consecutive keys too
-// (`v_item`). A run lies in one block of a paged cache when the block size and the tile's first
-// key are multiples of 4, so a whole paged tile needs one block-table read a run, not one a word.
+// A K item is 4 consecutive keys; with FOUR a thread's V items are runs of 4 consecutive keys
+// too (`run_slot`, shaders/include/runs.wgsl), so a whole paged tile needs one block-table read
+// a run, not one a word.
 const FOUR: bool = FAST && (VI % 4u) == 0u;
 const VR: u32 = VI / 4u; // V runs a thread (FOUR)
 
@@ -378,42 +378,22 @@ fn load_k(j: i32, end: i32, kvi: Kv, hkv: u32, kh: u32, tid: u32, kr: ptr<functi
     }
 }
 
-// Under FAST, the key of thread `tid`'s first V item and that of its item `it` from the first:
-// with FOUR, keys 4r..4r+3 (r = tid / D4), then the same 4 * RS keys on; else r, r + RS, ...
-fn v_first(tid: u32) -> u32 {
-    if (FOUR) {
-        return (tid / D4) * 4u;
-    }
-    return tid / D4;
-}
-fn v_step(it: u32) -> u32 {
-    if (FOUR) {
-        return (it / 4u) * RS * 4u + it % 4u;
-    }
-    return it * RS;
-}
-// The (key, column) item of the V tile ([key][d/4], a word) that thread `tid` loads as `it`.
-fn v_item(tid: u32, it: u32) -> u32 {
-    if (FAST) {
-        return (v_first(tid) + v_step(it)) * D4 + tid % D4;
-    }
-    return tid + it * WG;
-}
+// @include runs.wgsl
 
-// The V words of the tile starting at key `j` (item `v_item(tid, it)` into `vr[it]`), as
+// The V words of the tile starting at key `j` (item `run_slot(tid, it)` into `vr[it]`), as
 // `load_k` does; keys past `end` are zeroed when stored.
 fn load_v(j: i32, end: i32, kvi: Kv, hkv: u32, kh: u32, tid: u32, vr: ptr<function, array<vec2<u32>, VI>>) {
     let rowst = hkv * D4;
     if (FAST && !kvi.paged && j + i32(BK) <= end) {
-        let base = ((kvi.k0 + u32(j) + v_first(tid)) * hkv + kh) * D4 + tid % D4;
+        let base = ((kvi.k0 + u32(j) + run_first(tid)) * hkv + kh) * D4 + tid % D4;
         // @unroll
         for (var it = 0u; it < VI; it++) {
-            (*vr)[it] = vb[base + v_step(it) * rowst];
+            (*vr)[it] = vb[base + run_step(it) * rowst];
         }
     } else if (runs(j, end, kvi)) {
         // @unroll
         for (var i4 = 0u; i4 < VR; i4++) {
-            let t = u32(j) + v_first(tid) + v_step(i4 * 4u); // 4 keys of one block
+            let t = u32(j) + run_first(tid) + run_step(i4 * 4u); // 4 keys of one block
             let base = (k_row(kvi, t) * hkv + kh) * D4 + tid % D4;
             // @unroll
             for (var kk = 0u; kk < 4u; kk++) {
@@ -423,7 +403,7 @@ fn load_v(j: i32, end: i32, kvi: Kv, hkv: u32, kh: u32, tid: u32, vr: ptr<functi
     } else {
         // @unroll
         for (var it = 0u; it < VI; it++) {
-            let x = v_item(tid, it);
+            let x = run_slot(tid, it);
             if (x < BK * D4) {
                 let jc = min(j + i32(x / D4), end - 1);
                 (*vr)[it] = raw_v((k_row(kvi, u32(jc)) * hkv + kh) * D + (x % D4) * 4u);
@@ -588,7 +568,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         if (clean) {
             // @unroll
             for (var it = 0u; it < VI; it++) {
-                let x = v_item(tid, it);
+                let x = run_slot(tid, it);
                 if (x < BK * D4) {
                     kv[x] = vreg[it];
                 }
@@ -596,7 +576,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         } else {
             // @unroll
             for (var it = 0u; it < VI; it++) {
-                let x = v_item(tid, it);
+                let x = run_slot(tid, it);
                 if (x < BK * D4) {
                     let w = vec2<u32>(finite2(vreg[it].x), finite2(vreg[it].y));
                     kv[x] = select(w, vec2<u32>(0u), j0 + i32(x / D4) >= end);

@@ -15,9 +15,10 @@ const FLASH_PACKED_SRC: &str = include_str!("../../shaders/flash_attn_packed.wgs
 const FLASH_COOP_SRC: &str = include_str!("../../shaders/flash_attn_coop.wgsl");
 const COMBINE_SRC: &str = include_str!("../../shaders/combine.wgsl");
 /// Text the flash shaders share, put in place of their `// @include NAME` lines.
-const INCLUDES: [(&str, &str); 2] = [
+const INCLUDES: [(&str, &str); 3] = [
     ("common.wgsl", include_str!("../../shaders/include/common.wgsl")),
     ("storage.wgsl", include_str!("../../shaders/include/storage.wgsl")),
+    ("runs.wgsl", include_str!("../../shaders/include/runs.wgsl")),
 ];
 
 /// Threads per workgroup of the combine pass.
@@ -922,6 +923,7 @@ mod tests {
             assert!(!s.lines().any(|l| l.starts_with("// @include ")), "{name}: an include left");
         }
         assert!(expanded[4].1.contains("fn put_lse("));
+        assert!(expanded[2].1.contains("fn run_slot(") && expanded[4].1.contains("fn run_slot("));
         assert!(expanded[0].1.contains("fn store_o("));
     }
 }
