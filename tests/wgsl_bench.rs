@@ -519,12 +519,15 @@ struct Probe {
     regs_only: bool,
     /// Extra workgroup memory (bytes), to hold the workgroups an SM to a kernel's count.
     pad: u32,
+    /// Steps of k a loop iteration (a power of two dividing `kd`; 4 unless said); with
+    /// `regs_only`, `ku / 4` copies of the FMA block an iteration: the cost of an iteration.
+    ku: u32,
 }
 
 impl Probe {
     fn name(&self) -> String {
         format!(
-            "{}x{} wg{} nx{} kd{} {}{}{}",
+            "{}x{} wg{} nx{} kd{} {}{}{}{}",
             self.tm,
             self.tn,
             self.wg,
@@ -532,7 +535,8 @@ impl Probe {
             self.kd,
             ["f32", "f16", "bf16"][self.bf as usize],
             if self.regs_only { " regs" } else { "" },
-            if self.pad > 0 { format!(" pad{}", self.pad) } else { String::new() }
+            if self.pad > 0 { format!(" pad{}", self.pad) } else { String::new() },
+            if self.ku != 4 { format!(" ku{}", self.ku) } else { String::new() }
         )
     }
 
@@ -587,11 +591,17 @@ impl Probe {
         }
         if self.regs_only {
             s += &loads("tid % 4u");
-            s += &format!("  for (var r = 0u; r < reps * {kd}u; r++) {{\n{fmas}  }}\n");
+            // `ku / 4` copies of the block an iteration (the same FMAs in all).
+            let copies = (self.ku / 4).max(1);
+            s += &format!("  for (var r = 0u; r < reps * {kd}u; r += {copies}u) {{\n");
+            for _ in 0..copies {
+                s += &fmas;
+            }
+            s += "  }\n";
         } else {
             s += "  for (var r = 0u; r < reps; r++) {\n";
-            s += &format!("   for (var k = 0u; k < {kd}u; k += 4u) {{\n");
-            for u in 0..4 {
+            s += &format!("   for (var k = 0u; k < {kd}u; k += {}u) {{\n", self.ku);
+            for u in 0..self.ku {
                 s += "    {\n";
                 s += &loads(&format!("k + {u}u"));
                 s += &fmas;
@@ -644,10 +654,19 @@ impl Probe {
 #[ignore]
 fn inner_loops() {
     let quick = std::env::var("ATTNKIT_BENCH_QUICK").is_ok();
-    let p = |wg, nx, tm, tn, kd, bf| Probe { wg, nx, tm, tn, kd, bf, regs_only: false, pad: 0 };
+    let p = |wg, nx, tm, tn, kd, bf| Probe { wg, nx, tm, tn, kd, bf, regs_only: false, pad: 0, ku: 4 };
     let mut probes = vec![
         Probe { regs_only: true, ..p(128, 16, 8, 8, 16, 0) },
         Probe { regs_only: true, ..p(256, 16, 4, 4, 16, 0) },
+        // The cost of a loop iteration: the same FMAs, 4 and 16 copies of the block an iteration.
+        Probe { regs_only: true, ku: 16, ..p(256, 16, 4, 4, 16, 0) },
+        Probe { regs_only: true, ku: 64, ..p(256, 16, 4, 4, 16, 0) },
+        Probe { regs_only: true, ku: 16, ..p(128, 16, 8, 8, 16, 0) },
+        // The packed kernel's loops with 8 and 16 steps of k an iteration.
+        Probe { ku: 8, ..p(128, 16, 4, 4, 128, 1) },
+        Probe { ku: 16, ..p(128, 16, 4, 4, 128, 1) },
+        Probe { ku: 8, ..p(128, 16, 4, 8, 64, 1) },
+        Probe { ku: 16, ..p(128, 16, 4, 8, 64, 1) },
         // q.k and p.v of the packed kernel's 4-row blocks (4x4 and 4x8, 128 threads, 16-bit K/V).
         p(128, 16, 4, 4, 128, 1),
         p(128, 16, 4, 8, 64, 1),
