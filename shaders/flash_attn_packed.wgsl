@@ -30,6 +30,11 @@ const D: u32 = 128u; // @spec head dim, a multiple of 4, at most 128
 const DT: u32 = 1u; // @spec storage dtype: 1 f16, 2 bf16 (two per u32)
 const BQ: u32 = 32u; // @spec rows per workgroup: 16 or 32
 const BK: u32 = 64u; // @spec keys per tile: 32 or 64
+// Steps of 4 d a q.k loop iteration (the host's: 4, or the largest power of two under it that
+// divides D / 4). An iteration costs about 11 issue slots besides its work on the NVIDIA Vulkan
+// driver; 16 d an iteration ran 1.07x faster than 4 on an H100, 8 and 32 d slower than 16, and
+// more keys a p.v iteration gained nothing (docs/PERF_NOTES.md, wgpu v20-v21).
+const UQK: u32 = 4u; // @spec
 
 const RQ: u32 = BQ / 4u; // row quads (a vec4 of rows in Q^T and P^T; a thread's rows), a power of two
 const KG: u32 = BK / 4u; // key groups of 4 keys, a power of two
@@ -540,17 +545,21 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         var a1 = vec4<f32>(0.0);
         var a2 = vec4<f32>(0.0);
         var a3 = vec4<f32>(0.0);
-        for (var c = 0u; c < D4; c++) {
-            let kx = tx ^ (c & (KG - 1u));
+        for (var c0 = 0u; c0 < D4; c0 += UQK) {
             // @unroll
-            for (var i = 0u; i < 4u; i++) {
-                let d = c * 4u + i;
-                let qa = qt[d * RQ + ty];
-                let k = up4(kv[d * KG + kx]);
-                a0 += qa.x * k;
-                a1 += qa.y * k;
-                a2 += qa.z * k;
-                a3 += qa.w * k;
+            for (var cu = 0u; cu < UQK; cu++) {
+                let c = c0 + cu;
+                let kx = tx ^ (c & (KG - 1u));
+                // @unroll
+                for (var i = 0u; i < 4u; i++) {
+                    let d = c * 4u + i;
+                    let qa = qt[d * RQ + ty];
+                    let k = up4(kv[d * KG + kx]);
+                    a0 += qa.x * k;
+                    a1 += qa.y * k;
+                    a2 += qa.z * k;
+                    a3 += qa.w * k;
+                }
             }
         }
         let jv = vec4<i32>(j0 + i32(tx * 4u)) + vec4<i32>(0, 1, 2, 3);
