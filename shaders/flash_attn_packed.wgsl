@@ -43,8 +43,6 @@ const D4: u32 = D / 4u;
 const NV: u32 = (D4 + KG - 1u) / KG; // output vec4 columns per thread
 const KI: u32 = (KG * D4 + WG - 1u) / WG; // (key group, column) items of the K tile per thread
 const VI: u32 = (BK * D4 + WG - 1u) / WG; // (key, column) items of the V tile per thread
-const NEG: f32 = -3.0e38;
-const MASKED: f32 = -3.3e38; // below NEG: a score no row may use
 // Whole tiles of a dense layout are loaded from one base a thread and a constant stride (no
 // per-word row arithmetic, clamp or layout test: 1.25x the kernel's speed on an H100,
 // docs/PERF_NOTES.md, wgpu v17): a thread's column is fixed when WG is a multiple of D4, and
@@ -57,37 +55,10 @@ const RS: u32 = WG / D4; // rows apart of a thread's items (FAST)
 const FOUR: bool = FAST && (VI % 4u) == 0u;
 const VR: u32 = VI / 4u; // V runs a thread (FOUR)
 
-const M_HQ: u32 = 1u;
-const M_HKV: u32 = 2u;
-const M_KIND: u32 = 3u;
-const M_SQ: u32 = 4u;
-const M_SK: u32 = 5u;
-const M_TQ: u32 = 6u;
-const M_BS: u32 = 7u;
-const M_MAXB: u32 = 8u;
-const M_CAUSAL: u32 = 9u;
-const M_WL: u32 = 10u;
-const M_WR: u32 = 11u;
-const M_CAP: u32 = 12u;
-const M_SCALE: u32 = 13u;
-const M_ALIBI: u32 = 14u;
-const M_LSE: u32 = 15u;
-const M_SPLITS: u32 = 16u;
-const M_OFF_CUQ: u32 = 17u;
-const M_OFF_CUK: u32 = 18u;
-const M_OFF_BT: u32 = 19u;
-const M_OFF_ALIBI: u32 = 20u;
-
-// Tensors as 8-byte words: one word is 4 elements of f16/bf16, or 2 of f32. D is a multiple of 4,
-// so every vec4 of a row starts on a word.
-@group(0) @binding(0) var<storage, read> qb: array<vec2<u32>>;
-@group(0) @binding(1) var<storage, read> kb: array<vec2<u32>>;
-@group(0) @binding(2) var<storage, read> vb: array<vec2<u32>>;
-@group(0) @binding(3) var<storage, read_write> ob: array<vec2<u32>>;
-@group(0) @binding(4) var<storage, read_write> lseb: array<f32>;
-@group(0) @binding(5) var<storage, read> md: array<u32>;
-@group(0) @binding(6) var<storage, read_write> part_o: array<vec4<f32>>;
-@group(0) @binding(7) var<storage, read_write> part_lse: array<f32>;
+// The metadata layout, bindings, sequences, paged rows and key ranges (shaders/include/common.wgsl)
+// and the storage dtype's conversions (storage.wgsl), as in flash_attn.wgsl.
+// @include common.wgsl
+// @include storage.wgsl
 
 var<workgroup> qt: array<vec4<f32>, D * RQ>; // Q^T: [d][row quad], f32
 var<workgroup> kv: array<vec2<u32>, D * KG>; // K^T as [d][key group], then V as [key][d/4]; 16-bit pairs
@@ -98,18 +69,6 @@ var<workgroup> red: array<vec4<f32>, KG * RQ>;
 // Per row of the tile: its visible keys [x, y) within [start, end), its query position z (for
 // ALiBi) and its slope's bits w.
 var<workgroup> rinfo: array<vec4<i32>, BQ>;
-
-fn bf16x2(w: u32) -> vec2<f32> {
-    return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xffff0000u));
-}
-
-fn to_bf16(x: f32) -> u32 {
-    let b = bitcast<u32>(x);
-    if ((b & 0x7fffffffu) > 0x7f800000u) {
-        return (b >> 16u) | 0x40u;
-    }
-    return (b + 0x7fffu + ((b >> 16u) & 1u)) >> 16u;
-}
 
 fn load_q(e: u32) -> vec4<f32> {
     let w = qb[e / 4u];
@@ -136,89 +95,6 @@ fn pair_lo(a: u32, b: u32) -> u32 {
 }
 fn pair_hi(a: u32, b: u32) -> u32 {
     return (a >> 16u) | (b & 0xffff0000u);
-}
-
-fn store_o(e: u32, x: vec4<f32>) {
-    if (DT == 0u) {
-        ob[e / 2u] = bitcast<vec2<u32>>(x.xy);
-        ob[e / 2u + 1u] = bitcast<vec2<u32>>(x.zw);
-    } else if (DT == 1u) {
-        ob[e / 4u] = vec2<u32>(pack2x16float(x.xy), pack2x16float(x.zw));
-    } else {
-        ob[e / 4u] = vec2<u32>(to_bf16(x.x) | (to_bf16(x.y) << 16u), to_bf16(x.z) | (to_bf16(x.w) << 16u));
-    }
-}
-
-struct Seq {
-    q0: u32,
-    ql: u32,
-    k0: u32,
-    kl: u32,
-}
-
-fn seq_of(b: u32) -> Seq {
-    let kind = md[M_KIND];
-    if (kind == 0u) {
-        let sq = md[M_SQ];
-        let sk = md[M_SK];
-        return Seq(b * sq, sq, b * sk, sk);
-    }
-    let cq = md[M_OFF_CUQ];
-    let ck = md[M_OFF_CUK];
-    let q0 = md[cq + b];
-    let ql = md[cq + b + 1u] - q0;
-    if (kind == 1u) {
-        let k0 = md[ck + b];
-        return Seq(q0, ql, k0, md[ck + b + 1u] - k0);
-    }
-    return Seq(q0, ql, 0u, md[ck + b]);
-}
-
-// Where the kv tokens of one sequence are, read from the metadata once per workgroup.
-struct Kv {
-    paged: bool,
-    pow2: bool, // block size a power of two: shift and mask instead of a division
-    sh: u32,
-    bs: u32,
-    bt: u32, // first block-table entry of the sequence in md
-    k0: u32,
-}
-
-fn kv_of(b: u32, s: Seq) -> Kv {
-    let bs = max(md[M_BS], 1u);
-    return Kv(md[M_KIND] == 2u, (bs & (bs - 1u)) == 0u, countTrailingZeros(bs), bs, md[M_OFF_BT] + b * md[M_MAXB], s.k0);
-}
-
-// Row of kv token `t` in k/v seen as [rows, Hkv, D].
-fn k_row(kvl: Kv, t: u32) -> u32 {
-    if (kvl.paged) {
-        if (kvl.pow2) {
-            return (md[kvl.bt + (t >> kvl.sh)] << kvl.sh) | (t & (kvl.bs - 1u));
-        }
-        return md[kvl.bt + t / kvl.bs] * kvl.bs + t % kvl.bs;
-    }
-    return kvl.k0 + t;
-}
-
-fn key_range(i: u32, s: Seq) -> vec2<i32> {
-    let ia = i32(i) + i32(s.kl) - i32(s.ql);
-    var lo = 0;
-    var hi = i32(s.kl);
-    if (md[M_CAUSAL] != 0u) {
-        hi = min(hi, ia + 1);
-    }
-    let wl = bitcast<i32>(md[M_WL]);
-    if (wl >= 0) {
-        lo = max(lo, ia - wl);
-    }
-    let wr = bitcast<i32>(md[M_WR]);
-    if (wr >= 0) {
-        hi = min(hi, ia + wr + 1);
-    }
-    if (hi <= lo) {
-        return vec2<i32>(0, 0);
-    }
-    return vec2<i32>(lo, hi);
 }
 
 // One row's visible key interval within [start, end), its query position (for ALiBi) and slope's
@@ -289,31 +165,8 @@ fn emit(ok: bool, base: u32, c: u32, x: vec4<f32>, splits: u32) {
 }
 
 fn emit_lse(ok: bool, p: u32, lr: f32, mr: f32, b: u32, g: u32, s: Seq, kh: u32, split: u32, splits: u32) {
-    if (!ok) {
-        return;
-    }
-    let hq = md[M_HQ];
-    let i = p / g;
-    let h = kh * g + p % g;
-    let row = s.q0 + i;
-    if (splits == 1u) {
-        if (md[M_LSE] != 0u) {
-            var lv = bitcast<f32>(0xff800000u); // -inf
-            if (lr > 0.0) {
-                lv = mr + log(lr);
-            }
-            var li = h * md[M_TQ] + row;
-            if (md[M_KIND] == 0u) {
-                li = (b * hq + h) * md[M_SQ] + i;
-            }
-            lseb[li] = lv;
-        }
-    } else {
-        var lv = NEG;
-        if (lr > 0.0) {
-            lv = mr + log(lr);
-        }
-        part_lse[(split * md[M_TQ] + row) * hq + h] = lv;
+    if (ok) {
+        put_lse(b, s, p / g, kh * g + p % g, mr, lr, split, splits);
     }
 }
 
@@ -330,11 +183,11 @@ fn pt_at(key: u32, rq: u32) -> u32 {
     return key * RQ + (rq ^ ((key / 4u) & (RQ - 1u)));
 }
 
-// The raw words of one vec4 of K (or V) at element `e`.
-fn raw_k(e: u32) -> vec2<u32> {
+// The words of one vec4 of K (or V) at element `e`.
+fn word_k(e: u32) -> vec2<u32> {
     return kb[e / 4u];
 }
-fn raw_v(e: u32) -> vec2<u32> {
+fn word_v(e: u32) -> vec2<u32> {
     return vb[e / 4u];
 }
 
@@ -376,7 +229,7 @@ fn load_k(j: i32, end: i32, kvi: Kv, hkv: u32, kh: u32, tid: u32, kr: ptr<functi
                 // @unroll
                 for (var kj = 0u; kj < 4u; kj++) {
                     let jc = min(j + i32((x / D4) * 4u + kj), end - 1);
-                    (*kr)[it * 4u + kj] = raw_k((k_row(kvi, u32(jc)) * hkv + kh) * D + (x % D4) * 4u);
+                    (*kr)[it * 4u + kj] = word_k((k_row(kvi, u32(jc)) * hkv + kh) * D + (x % D4) * 4u);
                 }
             }
         }
@@ -411,7 +264,7 @@ fn load_v(j: i32, end: i32, kvi: Kv, hkv: u32, kh: u32, tid: u32, vr: ptr<functi
             let x = run_slot(tid, it);
             if (x < BK * D4) {
                 let jc = min(j + i32(x / D4), end - 1);
-                (*vr)[it] = raw_v((k_row(kvi, u32(jc)) * hkv + kh) * D + (x % D4) * 4u);
+                (*vr)[it] = word_v((k_row(kvi, u32(jc)) * hkv + kh) * D + (x % D4) * 4u);
             }
         }
     }

@@ -924,7 +924,7 @@ mod tests {
         for (name, s) in &expanded {
             assert!(!s.lines().any(|l| l.starts_with("// @include ")), "{name}: an include left");
         }
-        assert!(expanded[4].1.contains("fn put_lse("));
+        assert!(expanded[4].1.contains("fn put_lse(") && expanded[2].1.contains("fn put_lse("));
         assert!(expanded[2].1.contains("fn run_slot(") && expanded[4].1.contains("fn run_slot("));
         assert!(expanded[0].1.contains("fn store_o("));
     }

@@ -1,5 +1,5 @@
-// Shared by flash_attn.wgsl and flash_attn_coop.wgsl (flash_attn_mt.wgsl keeps its own copy:
-// see its head), which include it with a line `// @include common.wgsl`
+// Shared by flash_attn.wgsl, flash_attn_coop.wgsl and flash_attn_packed.wgsl (flash_attn_mt.wgsl
+// keeps its own copy: see its head), which include it with a line `// @include common.wgsl`
 // (the host, and the naga test, put this text in that line's place before specialising): the
 // metadata layout, the bindings, where a sequence's rows and kv tokens are, which keys a query
 // sees, and where a row's lse goes. It reads no `@spec` constant, so it means the same in each.

@@ -1,6 +1,7 @@
-// Used by flash_attn.wgsl (flash_attn_mt.wgsl keeps its own copy: see its head), included with a
-// line `// @include storage.wgsl`: q, k, v and the output in their storage dtype `DT` (each file's
-// `@spec` constant), read as raw words and widened to f32 in registers, or narrowed on the store.
+// Used by flash_attn.wgsl and flash_attn_packed.wgsl (flash_attn_mt.wgsl keeps its own copy: see
+// its head), included with a line `// @include storage.wgsl`: q, k, v and the output in their
+// storage dtype `DT` (each file's `@spec` constant), read as raw words and widened to f32 in
+// registers, or narrowed on the store.
 
 fn bf16x2(w: u32) -> vec2<f32> {
     return vec2<f32>(bitcast<f32>(w << 16u), bitcast<f32>(w & 0xffff0000u));
