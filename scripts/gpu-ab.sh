@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# A/B of the wgpu shaders of BASE (a commit) against the working tree's, with this tree's tests,
+# full bench and the peer, on one GPU machine in one call (docs/PERF_NOTES.md, wgpu):
+#
+#   BASE=<commit> bash scripts/gpu-ab.sh bundle   # here: base wgsl_bench, then the bundle
+#   bash bundle/experiment.sh                     # there (carry bundle and .gl, the Vulkan loader
+#                                                 # packages: see README, wgpu on a GPU)
+#
+# There: ONLY (default " B4 ") picks the A/B's shapes; the default kernel of each, alone, f16 with
+# cooperative matrices where the adapter has them, and again with them off (PACKED=1, default).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BASE=${BASE:?BASE=<commit> whose shaders are the A/B base}
+if [[ ${1:-} == bundle ]]; then
+  keep=$(mktemp -d)
+  cp -r shaders "$keep/"
+  git checkout "$BASE" -- shaders/
+  trap 'rm -rf shaders && cp -r "$keep/shaders" . && git reset -q -- shaders' EXIT
+  FEATURES=cuda,wgpu TESTS="wgsl_bench" bash scripts/gpu-bundle.sh # no cli: no release build
+  cp bundle/bin/wgsl_bench "$keep/base-wgsl_bench"
+  rm -rf shaders && cp -r "$keep/shaders" . && git reset -q -- shaders
+  trap - EXIT
+  FEATURES=cuda,wgpu,cli TESTS="wgsl_bench wgsl_backend conformance" bash scripts/gpu-bundle.sh
+  mkdir -p bundle/base
+  mv "$keep/base-wgsl_bench" bundle/base/wgsl_bench
+  echo "$BASE" > bundle/base/COMMIT
+  rm -rf "$keep"
+  sed -n '/^# ---- run ----$/,$p' "$0" > bundle/experiment.sh
+  echo "bundle ready: run bash bundle/experiment.sh there"
+  exit 0
+fi
+echo "usage: BASE=<commit> $0 bundle"
+exit 2
+# ---- run ----
+cd "$(dirname "$0")/.."
+for f in .gl/*.deb; do dpkg -x "$f" / 2>/dev/null; done
+ldconfig
+B=bundle/bin
+O=${OUT:-/tmp}
+ONLY=${ONLY:-" B4 "}
+nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
+echo "base $(cat bundle/base/COMMIT), new $(cat bundle/COMMIT)"
+lean() { ATTNKIT_BENCH_LEAN=1 ATTNKIT_BENCH_ONLY="$ONLY" timeout 90 "$@" --ignored --nocapture bench 2>&1 | tee -a "$O/ab_raw.txt" | grep -E "^\| " | grep -v "^| shape" | cut -c1-90; }
+ab() {
+  echo "-- base"; lean bundle/base/wgsl_bench
+  echo "-- new"; lean $B/wgsl_bench
+  if [[ ${PACKED:-1} == 1 ]]; then
+    echo "-- base, cooperative matrices off"; ATTNKIT_WGPU_COOP=off lean bundle/base/wgsl_bench
+    echo "-- new, cooperative matrices off"; ATTNKIT_WGPU_COOP=off lean $B/wgsl_bench
+  fi
+}
+echo "== wgsl_backend"
+ATTNKIT_REQUIRE_COOP=1 ATTNKIT_CASES=8 timeout 150 $B/wgsl_backend > "$O/wgsl_backend.txt" 2>&1; echo "rc=$?"
+grep -E "test result|FAILED|panicked" "$O/wgsl_backend.txt" | head -12
+echo "== A/B, default kernel alone, ms"
+ab
+echo "== full bench (new)"
+timeout 150 $B/wgsl_bench --ignored --nocapture bench > "$O/bench.txt" 2>&1; echo "rc=$?"
+grep -E "^\|" "$O/bench.txt" | cut -c1-200
+echo "== peer"
+timeout 80 bash bundle/run.sh anchor --quick > "$O/anchor.txt" 2>&1; echo "rc=$?"; tail -16 "$O/anchor.txt"
+echo "== conformance wgpu::"
+ATTNKIT_CASES=8 timeout 120 $B/conformance wgpu:: > "$O/conf.txt" 2>&1; echo "rc=$?"; grep -E "test result|FAILED|panicked" "$O/conf.txt" | head -8
