@@ -14,11 +14,13 @@ BASE=${BASE:?BASE=<commit> whose shaders are the A/B base}
 if [[ ${1:-} == bundle ]]; then
   keep=$(mktemp -d)
   cp -r shaders "$keep/"
-  git checkout "$BASE" -- shaders/
-  trap 'rm -rf shaders && cp -r "$keep/shaders" . && git reset -q -- shaders' EXIT
+  # BASE's shaders written from its tree (the index untouched, so a commit made meanwhile
+  # cannot pick them up), the tree's own put back after the build.
+  rm -rf shaders && git archive "$BASE" shaders | tar -x
+  trap 'rm -rf shaders && cp -r "$keep/shaders" .' EXIT
   FEATURES=cuda,wgpu TESTS="wgsl_bench" bash scripts/gpu-bundle.sh # no cli: no release build
   cp bundle/bin/wgsl_bench "$keep/base-wgsl_bench"
-  rm -rf shaders && cp -r "$keep/shaders" . && git reset -q -- shaders
+  rm -rf shaders && cp -r "$keep/shaders" .
   trap - EXIT
   FEATURES=cuda,wgpu,cli TESTS="wgsl_bench wgsl_backend conformance" bash scripts/gpu-bundle.sh
   mkdir -p bundle/base

@@ -2,7 +2,8 @@
 // are stored (two 16-bit values a word), and 4-row register micro-tiles (portable path: f32
 // arithmetic, no subgroups, no `shader-f16`).
 //
-// The same contract, bindings and metadata as flash_attn.wgsl (read that first) and the same
+// The same contract, bindings and metadata as flash_attn.wgsl (read that first; both include
+// shaders/include/common.wgsl and storage.wgsl) and the same
 // plan as flash_attn_mt.wgsl (read that second); what differs is how much arithmetic each
 // workgroup-memory load feeds. Half-width K and V tiles leave room for 64-key tiles, and each of
 // the (BQ/4)*(BK/4) threads owns
