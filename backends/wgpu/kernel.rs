@@ -370,7 +370,7 @@ pub(crate) fn mt_source(d: usize, dt: u32, p: &Plan) -> String {
 /// The packed kernel's WGSL for storage dtype code `dt` (f16 or bf16), head dim `d` and plan `p`.
 pub(crate) fn packed_source(d: usize, dt: u32, p: &Plan) -> String {
     // Steps of 4 d a q.k iteration: 4, or the largest power of two under it dividing D / 4.
-    let uqk = [4, 2, 1].into_iter().find(|u| (d / 4) % u == 0).unwrap_or(1);
+    let uqk = [4, 2, 1].into_iter().find(|u| (d / 4).is_multiple_of(*u)).unwrap_or(1);
     specialize(FLASH_PACKED_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk), ("UQK", uqk)])
 }
 
