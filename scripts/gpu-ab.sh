@@ -8,6 +8,8 @@
 #
 # There: ONLY (default " B4 ") picks the A/B's shapes; the default kernel of each, alone, f16 with
 # cooperative matrices where the adapter has them, and again with them off (PACKED=1, default).
+# TRIAL_ENV="NAME=value ..." adds the new binary under those variables (a trial switch of the
+# tree) to the A/B, with its packed kernel's registers and its tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=${BASE:?BASE=<commit> whose shaders are the A/B base}
@@ -50,10 +52,25 @@ ab() {
     echo "-- base, cooperative matrices off"; ATTNKIT_WGPU_COOP=off lean bundle/base/wgsl_bench
     echo "-- new, cooperative matrices off"; ATTNKIT_WGPU_COOP=off lean $B/wgsl_bench
   fi
+  if [[ -n ${TRIAL_ENV:-} ]]; then
+    # shellcheck disable=SC2086
+    echo "-- new, $TRIAL_ENV"; (export $TRIAL_ENV; lean $B/wgsl_bench)
+    # shellcheck disable=SC2086
+    echo "-- new, $TRIAL_ENV, cooperative matrices off"; (export $TRIAL_ENV; ATTNKIT_WGPU_COOP=off lean $B/wgsl_bench)
+  fi
 }
 echo "== wgsl_backend"
 ATTNKIT_REQUIRE_COOP=1 ATTNKIT_CASES=8 timeout 150 $B/wgsl_backend > "$O/wgsl_backend.txt" 2>&1; echo "rc=$?"
 grep -E "test result|FAILED|panicked" "$O/wgsl_backend.txt" | head -12
+if [[ -n ${TRIAL_ENV:-} ]]; then
+  echo "== wgsl_backend, $TRIAL_ENV"
+  # shellcheck disable=SC2086
+  env $TRIAL_ENV ATTNKIT_REQUIRE_COOP=1 ATTNKIT_CASES=8 timeout 150 $B/wgsl_backend > "$O/wgsl_backend_trial.txt" 2>&1; echo "rc=$?"
+  grep -E "test result|FAILED|panicked" "$O/wgsl_backend_trial.txt" | head -12
+  echo "== registers, $TRIAL_ENV"
+  # shellcheck disable=SC2086
+  env $TRIAL_ENV ATTNKIT_STATS_ONLY=packed timeout 60 $B/wgsl_bench --ignored --nocapture kernel_statistics 2>&1 | grep -E "Register" | cut -c1-120
+fi
 echo "== A/B, default kernel alone, ms"
 ab
 echo "== full bench (new)"
