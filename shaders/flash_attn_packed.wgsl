@@ -31,11 +31,11 @@ const D: u32 = 128u; // @spec head dim, a multiple of 4, at most 128
 const DT: u32 = 1u; // @spec storage dtype: 1 f16, 2 bf16 (two per u32)
 const BQ: u32 = 32u; // @spec rows per workgroup: 16 or 32
 const BK: u32 = 64u; // @spec keys per tile: 32 or 64
-// Steps of 4 d a q.k loop iteration (the host's: 4, or the largest power of two under it that
-// divides D / 4). An iteration costs about 11 issue slots besides its work on the NVIDIA Vulkan
-// driver; 16 d an iteration ran 1.07x faster than 4 on an H100, 8 and 32 d slower than 16, and
-// more keys a p.v iteration gained nothing (docs/PERF_NOTES.md, wgpu v20-v21).
-const UQK: u32 = 4u; // @spec
+// Steps of 4 d a q.k loop iteration: 4, or the largest power of two under it that divides D / 4.
+// An iteration costs about 11 issue slots besides its work on the NVIDIA Vulkan driver; 16 d an
+// iteration ran 1.07x faster than 4 on an H100, 8 and 32 d slower than 16, and more keys a p.v
+// iteration gained nothing (docs/PERF_NOTES.md, wgpu v20-v21).
+const UQK: u32 = select(select(1u, 2u, (D / 4u) % 2u == 0u), 4u, (D / 4u) % 4u == 0u);
 
 const RQ: u32 = BQ / 4u; // row quads (a vec4 of rows in Q^T and P^T; a thread's rows), a power of two
 const KG: u32 = BK / 4u; // key groups of 4 keys, a power of two

@@ -369,9 +369,7 @@ pub(crate) fn mt_source(d: usize, dt: u32, p: &Plan) -> String {
 
 /// The packed kernel's WGSL for storage dtype code `dt` (f16 or bf16), head dim `d` and plan `p`.
 pub(crate) fn packed_source(d: usize, dt: u32, p: &Plan) -> String {
-    // Steps of 4 d a q.k iteration: 4, or the largest power of two under it dividing D / 4.
-    let uqk = [4, 2, 1].into_iter().find(|u| (d / 4).is_multiple_of(*u)).unwrap_or(1);
-    specialize(FLASH_PACKED_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk), ("UQK", uqk)])
+    specialize(FLASH_PACKED_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk)])
 }
 
 /// The cooperative-matrix kernel's WGSL for head dim `d`, `nw` subgroups and `bk` keys a tile.
@@ -927,5 +925,16 @@ mod tests {
         assert!(expanded[4].1.contains("fn put_lse(") && expanded[2].1.contains("fn put_lse("));
         assert!(expanded[2].1.contains("fn run_slot(") && expanded[4].1.contains("fn run_slot("));
         assert!(expanded[0].1.contains("fn store_o("));
+    }
+
+    #[test]
+    fn packed_q_steps_follow_the_head_dim() {
+        // 16 d a q.k iteration where D / 4 allows it (4 unrolled steps), else 8 or 4.
+        let p = Plan { kernel: Kernel::Packed, bq: 32, bk: 64, nks: 0, pf: 0, tpk: 0 };
+        for (d, steps) in [(128, 4), (96, 4), (24, 2), (20, 1)] {
+            let s = packed_source(d, DType::F16 as u32, &p);
+            assert!(s.contains(&format!("let cu = {}u;", steps - 1)), "D {d}");
+            assert!(!s.contains(&format!("let cu = {steps}u;")), "D {d}");
+        }
     }
 }
