@@ -8,8 +8,9 @@
 #
 # There: ONLY (default " B4 ") picks the A/B's shapes; the default kernel of each, alone, f16 with
 # cooperative matrices where the adapter has them, and again with them off (PACKED=1, default).
-# TRIAL_ENV="NAME=value ..." adds the new binary under those variables (a trial switch of the
-# tree) to the A/B, with its packed kernel's registers and its tests.
+# TRIAL_ENV="NAME=value ...[;NAME=value ...]" adds the new binary under each set of variables (a
+# trial switch of the tree; sets apart by ';') to the A/B, with its packed kernel's registers and
+# its tests.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=${BASE:?BASE=<commit> whose shaders are the A/B base}
@@ -52,25 +53,29 @@ ab() {
     echo "-- base, cooperative matrices off"; ATTNKIT_WGPU_COOP=off lean bundle/base/wgsl_bench
     echo "-- new, cooperative matrices off"; ATTNKIT_WGPU_COOP=off lean $B/wgsl_bench
   fi
-  if [[ -n ${TRIAL_ENV:-} ]]; then
+  for t in "${TRIALS[@]}"; do
     # shellcheck disable=SC2086
-    echo "-- new, $TRIAL_ENV"; (export $TRIAL_ENV; lean $B/wgsl_bench)
+    echo "-- new, $t"; (export $t; lean $B/wgsl_bench)
     # shellcheck disable=SC2086
-    echo "-- new, $TRIAL_ENV, cooperative matrices off"; (export $TRIAL_ENV; ATTNKIT_WGPU_COOP=off lean $B/wgsl_bench)
-  fi
+    echo "-- new, $t, cooperative matrices off"; (export $t; ATTNKIT_WGPU_COOP=off lean $B/wgsl_bench)
+  done
 }
 echo "== wgsl_backend"
 ATTNKIT_REQUIRE_COOP=1 ATTNKIT_CASES=8 timeout 150 $B/wgsl_backend > "$O/wgsl_backend.txt" 2>&1; echo "rc=$?"
 grep -E "test result|FAILED|panicked" "$O/wgsl_backend.txt" | head -12
-if [[ -n ${TRIAL_ENV:-} ]]; then
-  echo "== wgsl_backend, $TRIAL_ENV"
+TRIALS=()
+if [[ -n ${TRIAL_ENV:-} ]]; then IFS=';' read -r -a TRIALS <<< "$TRIAL_ENV"; fi
+n=0
+for t in "${TRIALS[@]}"; do
+  n=$((n + 1))
+  echo "== wgsl_backend, $t"
   # shellcheck disable=SC2086
-  env $TRIAL_ENV ATTNKIT_REQUIRE_COOP=1 ATTNKIT_CASES=8 timeout 150 $B/wgsl_backend > "$O/wgsl_backend_trial.txt" 2>&1; echo "rc=$?"
-  grep -E "test result|FAILED|panicked" "$O/wgsl_backend_trial.txt" | head -12
-  echo "== registers, $TRIAL_ENV"
+  env $t ATTNKIT_REQUIRE_COOP=1 ATTNKIT_CASES=8 timeout 150 $B/wgsl_backend > "$O/wgsl_backend_trial$n.txt" 2>&1; echo "rc=$?"
+  grep -E "test result|FAILED|panicked" "$O/wgsl_backend_trial$n.txt" | head -12
+  echo "== registers, $t"
   # shellcheck disable=SC2086
-  env $TRIAL_ENV ATTNKIT_STATS_ONLY=packed timeout 60 $B/wgsl_bench --ignored --nocapture kernel_statistics 2>&1 | grep -E "Register" | cut -c1-120
-fi
+  env $t ATTNKIT_STATS_ONLY=packed timeout 60 $B/wgsl_bench --ignored --nocapture kernel_statistics 2>&1 | grep -E "Register" | cut -c1-120
+done
 echo "== A/B, default kernel alone, ms"
 ab
 echo "== full bench (new)"
