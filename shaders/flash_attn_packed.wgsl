@@ -8,16 +8,20 @@
 // workgroup-memory load feeds. Half-width K and V tiles leave room for 64-key tiles, and each of
 // the (BQ/4)*(BK/4) threads owns
 //   S = Q K^T:  a 4x4 block of the score tile (4 rows, 4 keys): per d, a 16-byte load of Q^T
-//               (4 rows) and an 8-byte load of K^T (4 keys, unpacked in registers): 16 FMAs;
+//               (4 rows; 8 bytes with HALF) and an 8-byte load of K^T (4 keys, unpacked in
+//               registers): 16 FMAs;
 //   O += P V:   a 4-row block of the output, vec4 columns tx, tx + BK/4, ...: per key, a 16-byte
-//               load of P^T (4 rows) and an 8-byte load of V a column: 16 FMAs a column.
-// Accumulation is in f32; only the storage of K and V in workgroup memory is 16-bit, as loaded (no
-// rounding). Blocks of 8 rows (twice the registers a thread, half the threads) ran at half the
-// speed on an H100 (docs/PERF_NOTES.md, wgpu v16).
+//               load of P^T (4 rows; 8 bytes with HALF) and an 8-byte load of V a column: 16
+//               FMAs a column.
+// Accumulation is in f32; K and V are 16-bit in workgroup memory as loaded (no rounding), and with
+// HALF (the 64-row tile of 256 threads) Q^T too, and P rounded to f16. Blocks of 8 rows (twice the
+// registers a thread, half the threads) ran at half the speed on an H100 (docs/PERF_NOTES.md,
+// wgpu v16); the 64-row tile, the same blocks with twice the threads, 1.07-1.10x faster than 32
+// rows on an H200 (v22).
 //
 // K is stored [d][key group] (a key group's 4 values at d in two words: keys 4g, 4g+1 | 4g+2,
 // 4g+3), swizzled; V row-major [key][d/4] (two words a vec4), in the same buffer once K is
-// consumed. P is f32, [key][row quad], swizzled. The rows' key intervals, positions and ALiBi
+// consumed. P is f32 (f16 pairs with HALF), [key][row quad], swizzled. The rows' key intervals, positions and ALiBi
 // slopes are read once into workgroup memory.
 //
 // Global loads run one phase ahead as in flash_attn_mt.wgsl: a tile's V words are loaded into
@@ -29,13 +33,17 @@
 
 const D: u32 = 128u; // @spec head dim, a multiple of 4, at most 128
 const DT: u32 = 1u; // @spec storage dtype: 1 f16, 2 bf16 (two per u32)
-const BQ: u32 = 32u; // @spec rows per workgroup: 16 or 32
+const BQ: u32 = 32u; // @spec rows per workgroup: 16, 32 or 64
 const BK: u32 = 64u; // @spec keys per tile: 32 or 64
 // Steps of 4 d a q.k loop iteration: 4, or the largest power of two under it that divides D / 4.
 // An iteration costs about 11 issue slots besides its work on the NVIDIA Vulkan driver; 16 d an
 // iteration ran 1.07x faster than 4 on an H100, 8 and 32 d slower than 16, and more keys a p.v
 // iteration gained nothing (docs/PERF_NOTES.md, wgpu v20-v21).
 const UQK: u32 = select(select(1u, 2u, (D / 4u) % 2u == 0u), 4u, (D / 4u) % 4u == 0u);
+// 1: Q^T and P^T 16-bit in workgroup memory (the 64-row tile: 256 threads fit 48 KiB at head dim
+// 128; 1.07x (f16) / 1.10x (bf16) the speed of 32x64 on an H200, docs/PERF_NOTES.md, wgpu v22).
+// Q^T as loaded (exact); P rounded to f16 once, the row sums adding the rounded values.
+const HALF: u32 = 0u; // @spec
 
 const RQ: u32 = BQ / 4u; // row quads (a vec4 of rows in Q^T and P^T; a thread's rows), a power of two
 const KG: u32 = BK / 4u; // key groups of 4 keys, a power of two
@@ -61,9 +69,11 @@ const VR: u32 = VI / 4u; // V runs a thread (FOUR)
 // @include common.wgsl
 // @include storage.wgsl
 
-var<workgroup> qt: array<vec4<f32>, D * RQ>; // Q^T: [d][row quad], f32
+var<workgroup> qt: array<vec4<f32>, D * RQ * (1u - HALF) + HALF>; // Q^T: [d][row quad], f32
+var<workgroup> qh: array<vec2<u32>, D * RQ * HALF + 1u - HALF>; // Q^T: [d][row quad], 16-bit pairs (HALF)
 var<workgroup> kv: array<vec2<u32>, D * KG>; // K^T as [d][key group], then V as [key][d/4]; 16-bit pairs
-var<workgroup> pt: array<vec4<f32>, BK * RQ>; // P^T: [key][row quad], f32
+var<workgroup> pt: array<vec4<f32>, BK * RQ * (1u - HALF) + HALF>; // P^T: [key][row quad], f32
+var<workgroup> ph: array<vec2<u32>, BK * RQ * HALF + 1u - HALF>; // P^T: [key][row quad], f16 pairs (HALF)
 // Per (key group, row quad): the 4 rows' maxima over the group's 4 keys; at the end, the rows'
 // partial sums.
 var<workgroup> red: array<vec4<f32>, KG * RQ>;
@@ -75,7 +85,22 @@ fn load_q(e: u32) -> vec4<f32> {
     let w = qb[e / 4u];
     return up4(w);
 }
-// Four 16-bit values (two words) as f32.
+// Four f32 as f16 pairs (P^T with HALF), and back.
+fn pk4(x: vec4<f32>) -> vec2<u32> {
+    return vec2<u32>(pack2x16float(x.xy), pack2x16float(x.zw));
+}
+fn uph(w: vec2<u32>) -> vec4<f32> {
+    return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y));
+}
+// The raw words of vec4 `c` of row `p` of the Q tile (0 past the last row): Q^T with HALF.
+fn q_raw(p: u32, nrows: u32, g: u32, s: Seq, kh: u32, c: u32) -> vec2<u32> {
+    if (p >= nrows) {
+        return vec2<u32>(0u);
+    }
+    let hq = md[M_HQ];
+    return qb[(((s.q0 + p / g) * hq + kh * g + p % g) * D + c * 4u) / 4u];
+}
+// Four 16-bit values (two words) of the storage dtype as f32.
 fn up4(w: vec2<u32>) -> vec4<f32> {
     if (DT == 1u) {
         return vec4<f32>(unpack2x16float(w.x), unpack2x16float(w.y));
@@ -335,6 +360,17 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             let rq = x % RQ;
             let c = x / RQ;
             let pq = p0 + rq * 4u;
+            if (HALF == 1u) {
+                let w0 = q_raw(pq, nrows, g, s, kh, c);
+                let w1 = q_raw(pq + 1u, nrows, g, s, kh, c);
+                let w2 = q_raw(pq + 2u, nrows, g, s, kh, c);
+                let w3 = q_raw(pq + 3u, nrows, g, s, kh, c);
+                qh[(c * 4u) * RQ + rq] = vec2<u32>(pair_lo(w0.x, w1.x), pair_lo(w2.x, w3.x));
+                qh[(c * 4u + 1u) * RQ + rq] = vec2<u32>(pair_hi(w0.x, w1.x), pair_hi(w2.x, w3.x));
+                qh[(c * 4u + 2u) * RQ + rq] = vec2<u32>(pair_lo(w0.y, w1.y), pair_lo(w2.y, w3.y));
+                qh[(c * 4u + 3u) * RQ + rq] = vec2<u32>(pair_hi(w0.y, w1.y), pair_hi(w2.y, w3.y));
+                continue;
+            }
             let b0 = q_vec(pq, nrows, g, s, kh, c);
             let b1 = q_vec(pq + 1u, nrows, g, s, kh, c);
             let b2 = q_vec(pq + 2u, nrows, g, s, kh, c);
@@ -407,7 +443,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
                 // @unroll
                 for (var i = 0u; i < 4u; i++) {
                     let d = c * 4u + i;
-                    let qa = qt[d * RQ + ty];
+                    var qa: vec4<f32>;
+                    if (HALF == 1u) {
+                        qa = up4(qh[d * RQ + ty]);
+                    } else {
+                        qa = qt[d * RQ + ty];
+                    }
                     let k = up4(kv[d * KG + kx]);
                     a0 += qa.x * k;
                     a1 += qa.y * k;
@@ -455,17 +496,31 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         let mn0 = max(m0, mt0);
         let al0 = exp(m0 - mn0);
         m0 = mn0;
-        let e0 = select(vec4<f32>(0.0), exp(sc0 - vec4<f32>(mn0.x)), sc0 > vec4<f32>(MASKED));
-        let e1 = select(vec4<f32>(0.0), exp(sc1 - vec4<f32>(mn0.y)), sc1 > vec4<f32>(MASKED));
-        let e2 = select(vec4<f32>(0.0), exp(sc2 - vec4<f32>(mn0.z)), sc2 > vec4<f32>(MASKED));
-        let e3 = select(vec4<f32>(0.0), exp(sc3 - vec4<f32>(mn0.w)), sc3 > vec4<f32>(MASKED));
+        var e0 = select(vec4<f32>(0.0), exp(sc0 - vec4<f32>(mn0.x)), sc0 > vec4<f32>(MASKED));
+        var e1 = select(vec4<f32>(0.0), exp(sc1 - vec4<f32>(mn0.y)), sc1 > vec4<f32>(MASKED));
+        var e2 = select(vec4<f32>(0.0), exp(sc2 - vec4<f32>(mn0.z)), sc2 > vec4<f32>(MASKED));
+        var e3 = select(vec4<f32>(0.0), exp(sc3 - vec4<f32>(mn0.w)), sc3 > vec4<f32>(MASKED));
+        if (HALF == 1u) {
+            // P rounded to f16 once: the sums below add the values p.v uses.
+            e0 = uph(pk4(e0));
+            e1 = uph(pk4(e1));
+            e2 = uph(pk4(e2));
+            e3 = uph(pk4(e3));
+        }
         let one = vec4<f32>(1.0);
         l0 = l0 * al0 + vec4<f32>(dot(e0, one), dot(e1, one), dot(e2, one), dot(e3, one));
         let kb0 = tx * 4u;
-        pt[pt_at(kb0, ty)] = vec4<f32>(e0.x, e1.x, e2.x, e3.x);
-        pt[pt_at(kb0 + 1u, ty)] = vec4<f32>(e0.y, e1.y, e2.y, e3.y);
-        pt[pt_at(kb0 + 2u, ty)] = vec4<f32>(e0.z, e1.z, e2.z, e3.z);
-        pt[pt_at(kb0 + 3u, ty)] = vec4<f32>(e0.w, e1.w, e2.w, e3.w);
+        if (HALF == 1u) {
+            ph[pt_at(kb0, ty)] = pk4(vec4<f32>(e0.x, e1.x, e2.x, e3.x));
+            ph[pt_at(kb0 + 1u, ty)] = pk4(vec4<f32>(e0.y, e1.y, e2.y, e3.y));
+            ph[pt_at(kb0 + 2u, ty)] = pk4(vec4<f32>(e0.z, e1.z, e2.z, e3.z));
+            ph[pt_at(kb0 + 3u, ty)] = pk4(vec4<f32>(e0.w, e1.w, e2.w, e3.w));
+        } else {
+            pt[pt_at(kb0, ty)] = vec4<f32>(e0.x, e1.x, e2.x, e3.x);
+            pt[pt_at(kb0 + 1u, ty)] = vec4<f32>(e0.y, e1.y, e2.y, e3.y);
+            pt[pt_at(kb0 + 2u, ty)] = vec4<f32>(e0.z, e1.z, e2.z, e3.z);
+            pt[pt_at(kb0 + 3u, ty)] = vec4<f32>(e0.w, e1.w, e2.w, e3.w);
+        }
         workgroupBarrier(); // P and the V tile are written
         // The next tile's K, in flight during p.v.
         let jn = j0 + i32(BK);
@@ -482,7 +537,12 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             o3[n] *= al0.w;
         }
         for (var jj = 0u; jj < BK; jj++) {
-            let pa = pt[pt_at(jj, ty)];
+            var pa: vec4<f32>;
+            if (HALF == 1u) {
+                pa = uph(ph[pt_at(jj, ty)]);
+            } else {
+                pa = pt[pt_at(jj, ty)];
+            }
             // @unroll
             for (var n = 0u; n < NV; n++) {
                 let c = tx + n * KG;

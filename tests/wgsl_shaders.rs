@@ -101,8 +101,10 @@ fn every_specialisation_validates() {
             // f16 and bf16 only, head dims up to 128, the tiles the backend may pick.
             for dt in 1..3 {
                 for d in [4, 8, 12, 20, 64, 96, 128] {
-                    for (bq, bk) in [(32, 64), (16, 64), (32, 32), (16, 32)] {
-                        let s = specialize(&src, &[("D", d), ("DT", dt), ("BQ", bq), ("BK", bk)]);
+                    for (bq, bk) in [(64, 64), (32, 64), (16, 64), (32, 32), (16, 32)] {
+                        // Q^T and P^T 16-bit in the 64-row tile (the backend's `packed_half`).
+                        let half = usize::from(bq == 64);
+                        let s = specialize(&src, &[("D", d), ("DT", dt), ("BQ", bq), ("BK", bk), ("HALF", half)]);
                         if let Err(e) = validate(&format!("{name} (DT {dt}, D {d}, BQ {bq}, BK {bk})"), &s) {
                             errors.push(e);
                         }

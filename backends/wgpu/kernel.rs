@@ -31,8 +31,9 @@ const HEADER: usize = 24;
 /// thread per row for the softmax (threads = rows * keys / 16 >= rows).
 const MT_TILES: [(usize, usize); 4] = [(32, 32), (16, 32), (32, 16), (16, 16)];
 /// Packed-kernel (rows, keys) tiles, largest first (rows / 4 and keys / 4 powers of two); the
-/// automatic choice takes only the first ([`packed_plan`]).
-const PACKED_TILES: [(usize, usize); 4] = [(32, 64), (16, 64), (32, 32), (16, 32)];
+/// automatic choice takes only the first two ([`packed_plan`]). The 64-row tile keeps Q^T and P^T
+/// 16-bit ([`packed_half`]).
+const PACKED_TILES: [(usize, usize); 5] = [(64, 64), (32, 64), (16, 64), (32, 32), (16, 32)];
 /// Largest head dim of the packed kernel (its output block: 4 rows of `d / 4 / (keys / 4)` vec4s).
 const PACKED_MAX_D: usize = 128;
 
@@ -47,9 +48,10 @@ pub enum Kernel {
     /// workgroup has 32 rows to fill (prefill).
     MicroTile,
     /// `flash_attn_packed.wgsl`: f16/bf16 K/V tiles kept 16-bit in workgroup memory, 4x4 score
-    /// and 4-row output micro-tiles, 64-key tiles (128 threads). Chosen for f16/bf16 calls where
-    /// a workgroup has 32 rows to fill and the cooperative-matrix kernel does not serve, head
-    /// dims up to 128, where its 32x64 tile fits the workgroup memory (43.5 KiB at head dim 128);
+    /// and 4-row output micro-tiles, 64-key tiles. Chosen for f16/bf16 calls where a workgroup
+    /// has 32 rows to fill and the cooperative-matrix kernel does not serve, head dims up to 128:
+    /// a 64-row tile (256 threads, Q^T and P^T 16-bit: 45 KiB of workgroup memory at head dim
+    /// 128) where 64 rows fill it and it fits, else a 32-row tile (128 threads, 43.5 KiB);
     /// forced, smaller tiles too; forced for another dtype or a larger head dim, the `MicroTile`
     /// kernel serves.
     Packed,
@@ -139,9 +141,13 @@ fn wg_bytes(p: &Plan, d: usize, wpc: usize) -> usize {
         }
         // Q^T, K^T-then-V, P^T, and a vec4 per (key group, row group) for the row maxima and sums.
         Kernel::MicroTile => (p.bq * d + p.bk * d + p.bk * p.bq) * 4 + p.bk * p.bq,
-        // Q^T in f32, K^T-then-V in 16-bit pairs, P^T in f32, a vec4 per (key group, row quad),
-        // a vec4 of row information per row.
-        Kernel::Packed => p.bq * d * 4 + p.bk * d * 2 + p.bk * p.bq * 4 + p.bk * p.bq + p.bq * 16,
+        // Q^T in f32 (16-bit with `packed_half`), K^T-then-V in 16-bit pairs, P^T in f32 (16-bit
+        // with `packed_half`), a vec4 per (key group, row quad), a vec4 of row information per row,
+        // and the unused twins of Q^T and P^T (one element each).
+        Kernel::Packed => {
+            let w = if packed_half(p) { 2 } else { 4 };
+            (p.bq * d + p.bk * p.bq) * w + p.bk * d * 2 + p.bk * p.bq + p.bq * 16 + 32
+        }
         // Two buffers of K and V tiles in f16 (rows padded by 8), each subgroup's f32 scratch rows
         // and f16 P rows (both padded by 4), a factor per row and the key range (padded to 16 bytes).
         Kernel::Coop => 2 * 2 * p.bk * (d + 8) * 2 + p.nks * 16 * (p.bk + 4) * (4 + 2) + p.bq * 4 + 16,
@@ -182,15 +188,20 @@ fn mt_plan(d: usize, limit: u32) -> Option<Plan> {
         .find(|p| wg_bytes(p, d, 1) <= limit as usize)
 }
 
-/// The packed plan: with `auto`, only the first tile (the one measured: smaller ones put more
-/// K/V words or output columns in each thread's registers, and an H100 ran 16x64 at 4.7x and
-/// 32x32 at 1.9x the time of 32x64 at head dim 128, with the kernel's first, 8-row blocks);
-/// forced, any tile that fits.
-fn packed_plan(d: usize, dt: DType, limit: u32, auto: bool) -> Option<Plan> {
+/// The packed plan: with `auto` (calls of `rows` rows a sequence at most), the first two tiles,
+/// the 64-row one only where 64 rows fill it (the ones measured: 64x64, 256 threads, ran 1.07x
+/// (f16) / 1.10x (bf16) faster than 32x64 at head dim 128 on an H200; smaller ones put more K/V
+/// words or output columns in each thread's registers, and an H100 ran 16x64 at 4.7x and 32x32
+/// at 1.9x the time of 32x64, with the kernel's first, 8-row blocks); forced, any tile that fits.
+fn packed_plan(d: usize, dt: DType, limit: u32, auto: Option<usize>) -> Option<Plan> {
     if !matches!(dt, DType::F16 | DType::BF16) || d > PACKED_MAX_D {
         return None;
     }
-    let tiles = if auto { &PACKED_TILES[..1] } else { &PACKED_TILES[..] };
+    let tiles = match auto {
+        Some(rows) if rows < 64 => &PACKED_TILES[1..2],
+        Some(_) => &PACKED_TILES[..2],
+        None => &PACKED_TILES[..],
+    };
     tiles
         .iter()
         .map(|&(bq, bk)| Plan { kernel: Kernel::Packed, bq, bk, nks: 0, pf: 0, tpk: 0 })
@@ -246,7 +257,7 @@ fn plan(
         Some(Kernel::Rows) => rows_plan(d, wpc, 16, limit, t),
         Some(Kernel::MicroTile) => mt_plan(d, limit).or_else(|| rows_plan(d, wpc, 16, limit, t)),
         Some(Kernel::Packed) => {
-            packed_plan(d, dt, limit, false).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, 16, limit, t))
+            packed_plan(d, dt, limit, None).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, 16, limit, t))
         }
         Some(Kernel::Coop) => coop_plan(d, limit),
         None if queries >= 32 && coop_fits(coop, dt, d) && super::coop_settings().auto => {
@@ -260,7 +271,7 @@ fn plan(
 /// The portable prefill plan: the packed kernel where it serves, else the micro-tile kernel, else
 /// the `Rows` kernel (head dims too large for the micro-tile kernel's workgroup memory).
 fn prefill_plan(d: usize, dt: DType, wpc: usize, rows: usize, limit: u32, t: &RowsTuning) -> Option<Plan> {
-    packed_plan(d, dt, limit, true).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, rows, limit, t))
+    packed_plan(d, dt, limit, Some(rows)).or_else(|| mt_plan(d, limit)).or_else(|| rows_plan(d, wpc, rows, limit, t))
 }
 
 /// The largest head dim (a multiple of 4, at most [`super::MAX_HEAD_DIM`]) that fits `limit`
@@ -333,7 +344,7 @@ pub(crate) fn bench_modules() -> Result<Vec<(String, Vec<u32>)>> {
             let src = mt_source(d, dt as u32, &p);
             out.push((format!("micro-tile {dt} {}x{}", p.bq, p.bk), super::spirv::mt_module(&src)?));
         }
-        if let Some(p) = packed_plan(d, dt, limit, true) {
+        if let Some(p) = packed_plan(d, dt, limit, Some(4096)) {
             let src = packed_source(d, dt as u32, &p);
             out.push((format!("packed {dt} {}x{}", p.bq, p.bk), super::spirv::mt_module(&src)?));
         }
@@ -369,7 +380,15 @@ pub(crate) fn mt_source(d: usize, dt: u32, p: &Plan) -> String {
 
 /// The packed kernel's WGSL for storage dtype code `dt` (f16 or bf16), head dim `d` and plan `p`.
 pub(crate) fn packed_source(d: usize, dt: u32, p: &Plan) -> String {
-    specialize(FLASH_PACKED_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk)])
+    let half = usize::from(packed_half(p));
+    specialize(FLASH_PACKED_SRC, &[("D", d), ("DT", dt as usize), ("BQ", p.bq), ("BK", p.bk), ("HALF", half)])
+}
+
+/// Whether the packed kernel keeps Q^T and P^T 16-bit (`HALF`): in the 64-row tile, which then
+/// fits 48 KiB at head dim 128 (45 KiB). Q^T is stored as loaded (exact); P is rounded to f16
+/// once and the row sums add the rounded values, as the cooperative-matrix kernel does.
+fn packed_half(p: &Plan) -> bool {
+    p.bq == 64
 }
 
 /// The cooperative-matrix kernel's WGSL for head dim `d`, `nw` subgroups and `bk` keys a tile.
@@ -898,10 +917,12 @@ mod tests {
             (p.kernel, p.bq, p.bk)
         };
         let (k48, k32) = (48 * 1024, 32 * 1024);
-        assert_eq!(pick(128, DType::F16, k48, None), (Kernel::Packed, 32, 64));
-        assert_eq!(pick(128, DType::BF16, k48, None), (Kernel::Packed, 32, 64));
+        assert_eq!(pick(128, DType::F16, k48, None), (Kernel::Packed, 64, 64));
+        assert_eq!(pick(128, DType::BF16, k48, None), (Kernel::Packed, 64, 64));
+        let p = plan(128, DType::BF16, 40, 1, k48, false, None, &t).expect("a plan");
+        assert_eq!((p.kernel, p.bq, p.bk), (Kernel::Packed, 32, 64));
         assert_eq!(pick(128, DType::F32, k48, None), (Kernel::MicroTile, 32, 32));
-        assert_eq!(pick(64, DType::F16, k32, None), (Kernel::Packed, 32, 64));
+        assert_eq!(pick(64, DType::F16, k32, None), (Kernel::Packed, 64, 64));
         assert_eq!(pick(128, DType::F16, k32, None), (Kernel::MicroTile, 16, 32));
         assert_eq!(pick(128, DType::F16, k32, Some(Kernel::Packed)), (Kernel::Packed, 16, 64));
         assert_eq!(pick(256, DType::F16, k48, Some(Kernel::Packed)).0, Kernel::MicroTile);
@@ -925,6 +946,26 @@ mod tests {
         assert!(expanded[4].1.contains("fn put_lse(") && expanded[2].1.contains("fn put_lse("));
         assert!(expanded[2].1.contains("fn run_slot(") && expanded[4].1.contains("fn run_slot("));
         assert!(expanded[0].1.contains("fn store_o("));
+    }
+
+    #[test]
+    fn packed_tile_follows_rows_and_memory() {
+        let tile = |d, limit, auto| packed_plan(d, DType::F16, limit, auto).map(|p| (p.bq, p.bk));
+        // The 64-row tile (Q^T and P^T 16-bit) at head dim 128 in 48 KiB, where 64 rows fill it.
+        assert_eq!(tile(128, 48 * 1024, Some(4096)), Some((64, 64)));
+        assert_eq!(tile(128, 48 * 1024, Some(64)), Some((64, 64)));
+        assert_eq!(tile(128, 48 * 1024, Some(63)), Some((32, 64)));
+        let wide = Plan { kernel: Kernel::Packed, bq: 64, bk: 64, nks: 0, pf: 0, tpk: 0 };
+        assert!(packed_half(&wide) && wg_bytes(&wide, 128, 1) == 46112);
+        // 32 KiB (Mesa's lavapipe): the 64-row tile up to head dim 72, the 32-row one to 84.
+        assert_eq!(tile(72, 32 * 1024, Some(4096)), Some((64, 64)));
+        assert_eq!(tile(76, 32 * 1024, Some(4096)), Some((32, 64)));
+        assert_eq!(tile(84, 32 * 1024, Some(4096)), Some((32, 64)));
+        assert_eq!(tile(88, 32 * 1024, Some(4096)), None);
+        // Forced: any tile that fits, the 64-row one first.
+        assert_eq!(tile(128, 32 * 1024, None), Some((16, 64)));
+        assert_eq!(tile(64, 32 * 1024, None), Some((64, 64)));
+        assert!(packed_source(128, DType::F16 as u32, &wide).contains("const HALF: u32 = 1u;"));
     }
 
     #[test]
