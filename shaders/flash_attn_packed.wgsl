@@ -25,7 +25,8 @@
 // slopes are read once into workgroup memory.
 //
 // Global loads run one phase ahead as in flash_attn_mt.wgsl: a tile's V words are loaded into
-// registers before its q.k and stored after it, the next tile's K words before this tile's p.v.
+// registers before its q.k and stored after it (with HALF, just before the store), the next
+// tile's K words before this tile's p.v.
 //
 // A tile that every row of the workgroup sees whole (no row's interval cuts it, no key past the
 // end) stores V as loaded; any other tile zeroes non-finite V values (a row that cannot see a key
@@ -35,15 +36,18 @@ const D: u32 = 128u; // @spec head dim, a multiple of 4, at most 128
 const DT: u32 = 1u; // @spec storage dtype: 1 f16, 2 bf16 (two per u32)
 const BQ: u32 = 32u; // @spec rows per workgroup: 16, 32 or 64
 const BK: u32 = 64u; // @spec keys per tile: 32 or 64
-// Steps of 4 d a q.k loop iteration: 4, or the largest power of two under it that divides D / 4.
-// An iteration costs about 11 issue slots besides its work on the NVIDIA Vulkan driver; 16 d an
-// iteration ran 1.07x faster than 4 on an H100, 8 and 32 d slower than 16, and more keys a p.v
-// iteration gained nothing (docs/PERF_NOTES.md, wgpu v20-v21).
-const UQK: u32 = select(select(1u, 2u, (D / 4u) % 2u == 0u), 4u, (D / 4u) % 4u == 0u);
 // 1: Q^T and P^T 16-bit in workgroup memory (the 64-row tile: 256 threads fit 48 KiB at head dim
 // 128; 1.07x (f16) / 1.10x (bf16) the speed of 32x64 on an H200, docs/PERF_NOTES.md, wgpu v22).
-// Q^T as loaded (exact); P rounded to f16 once, the row sums adding the rounded values.
+// Q^T as loaded (exact); P rounded to f16 once, the row sums adding the rounded values. With
+// HALF the V words are also loaded just before their store (none live across q.k).
 const HALF: u32 = 0u; // @spec
+// Steps of 4 d a q.k loop iteration: 4 (2 with HALF), or the largest power of two under it that
+// divides D / 4. An iteration costs about 11 issue slots besides its work on the NVIDIA Vulkan
+// driver; at 32x64, 16 d an iteration ran 1.07x faster than 4 on an H100, 8 and 32 d slower than
+// 16, and more keys a p.v iteration gained nothing (docs/PERF_NOTES.md, wgpu v20-v21); at 64x64,
+// 8 d with the V words in place ran 1.008x (f16) / 1.00x (bf16) the speed of 16 d with V a phase
+// ahead, 4 d 0.93x / 0.95x (v23).
+const UQK: u32 = select(select(1u, 2u, (D / 4u) % 2u == 0u), 4u, (D / 4u) % 4u == 0u && HALF == 0u);
 
 const RQ: u32 = BQ / 4u; // row quads (a vec4 of rows in Q^T and P^T; a thread's rows), a power of two
 const KG: u32 = BK / 4u; // key groups of 4 keys, a power of two
@@ -427,8 +431,10 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             }
         }
         workgroupBarrier();
-        // This tile's V, in flight during q.k.
-        load_v(j0, end, kvi, hkv, kh, tid, &vreg);
+        // This tile's V, in flight during q.k (but with HALF).
+        if (HALF == 0u) {
+            load_v(j0, end, kvi, hkv, kh, tid, &vreg);
+        }
 
         // 4x4 score block: rows 4ty.., keys 4tx.. (a row a vector over the 4 keys).
         var a0 = vec4<f32>(0.0);
@@ -467,6 +473,9 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
         red[tx * RQ + ty] = max(bm0, vec4<f32>(NEG));
         workgroupBarrier(); // the block maxima are written; K is consumed
 
+        if (HALF == 1u) {
+            load_v(j0, end, kvi, hkv, kh, tid, &vreg);
+        }
         // V tile, row-major, into the same buffer: as loaded in a clean tile, else with keys past
         // the end and non-finite values zeroed.
         if (clean) {

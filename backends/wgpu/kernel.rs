@@ -977,5 +977,12 @@ mod tests {
             assert!(s.contains(&format!("let cu = {}u;", steps - 1)), "D {d}");
             assert!(!s.contains(&format!("let cu = {steps}u;")), "D {d}");
         }
+        // The 64-row tile (Q^T and P^T 16-bit): 8 d an iteration at most.
+        let wide = Plan { kernel: Kernel::Packed, bq: 64, bk: 64, nks: 0, pf: 0, tpk: 0 };
+        for (d, steps) in [(128, 2), (24, 2), (20, 1)] {
+            let s = packed_source(d, DType::F16 as u32, &wide);
+            assert!(s.contains(&format!("let cu = {}u;", steps - 1)), "D {d}");
+            assert!(!s.contains(&format!("let cu = {steps}u;")), "D {d}");
+        }
     }
 }
