@@ -101,7 +101,8 @@ fn every_portable_kernel_matches_reference() {
 }
 
 /// The packed kernel on cases made for it: its dtypes (f16, bf16) and head dims (up to 128), query
-/// sequences long enough for full and ragged tiles of 32 rows, split and unsplit.
+/// sequences long enough for full and ragged tiles of 32 and 64 rows (the 64-row tile where the
+/// adapter's workgroup memory holds it: head dims up to 72 in 32 KiB), split and unsplit.
 #[test]
 fn packed_kernel_matches_reference() {
     let Some(mut be) = be() else { return };

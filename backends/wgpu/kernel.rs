@@ -344,6 +344,7 @@ pub(crate) fn bench_modules() -> Result<Vec<(String, Vec<u32>)>> {
             let src = mt_source(d, dt as u32, &p);
             out.push((format!("micro-tile {dt} {}x{}", p.bq, p.bk), super::spirv::mt_module(&src)?));
         }
+        // The bench's calls: 4096 rows a sequence (the 64-row tile where it fits).
         if let Some(p) = packed_plan(d, dt, limit, Some(4096)) {
             let src = packed_source(d, dt as u32, &p);
             out.push((format!("packed {dt} {}x{}", p.bq, p.bk), super::spirv::mt_module(&src)?));
