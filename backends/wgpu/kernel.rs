@@ -197,13 +197,11 @@ fn packed_plan(d: usize, dt: DType, limit: u32, auto: Option<usize>) -> Option<P
     if !matches!(dt, DType::F16 | DType::BF16) || d > PACKED_MAX_D {
         return None;
     }
-    let tiles = match auto {
-        Some(rows) if rows < 64 => &PACKED_TILES[1..2],
-        Some(_) => &PACKED_TILES[..2],
-        None => &PACKED_TILES[..],
-    };
+    let tiles = if auto.is_some() { &PACKED_TILES[..2] } else { &PACKED_TILES[..] };
     tiles
         .iter()
+        // Automatic: no tile of more rows than the call fills, but for the 32-row one.
+        .filter(|&&(bq, _)| auto.is_none_or(|rows| bq <= rows.max(32)))
         .map(|&(bq, bk)| Plan { kernel: Kernel::Packed, bq, bk, nks: 0, pf: 0, tpk: 0 })
         .find(|p| wg_bytes(p, d, 1) <= limit as usize)
 }
