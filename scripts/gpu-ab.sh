@@ -10,7 +10,8 @@
 # cooperative matrices where the adapter has them, and again with them off (PACKED=1, default).
 # TRIAL_ENV="NAME=value ...[;NAME=value ...]" adds the new binary under each set of variables (a
 # trial switch of the tree; sets apart by ';') to the A/B, with its packed kernel's registers and
-# its tests.
+# its tests. BASE_TESTS="wgsl_bench conformance" (here) also carries BASE's conformance suite, run
+# there after the new one's, so that either text can land with its GPU run.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=${BASE:?BASE=<commit> whose shaders are the A/B base}
@@ -21,13 +22,14 @@ if [[ ${1:-} == bundle ]]; then
   # cannot pick them up), the tree's own put back after the build.
   rm -rf shaders && git archive "$BASE" shaders | tar -x
   trap 'rm -rf shaders && cp -r "$keep/shaders" .' EXIT
-  FEATURES=cuda,wgpu TESTS="wgsl_bench" bash scripts/gpu-bundle.sh # no cli: no release build
-  cp bundle/bin/wgsl_bench "$keep/base-wgsl_bench"
+  BASE_TESTS=${BASE_TESTS:-wgsl_bench}
+  FEATURES=cuda,wgpu TESTS="$BASE_TESTS" bash scripts/gpu-bundle.sh # no cli: no release build
+  mkdir -p "$keep/base"
+  for t in $BASE_TESTS; do cp "bundle/bin/$t" "$keep/base/"; done
   rm -rf shaders && cp -r "$keep/shaders" .
   trap - EXIT
   FEATURES=cuda,wgpu,cli TESTS="wgsl_bench wgsl_backend conformance" bash scripts/gpu-bundle.sh
-  mkdir -p bundle/base
-  mv "$keep/base-wgsl_bench" bundle/base/wgsl_bench
+  mv "$keep/base" bundle/base
   echo "$BASE" > bundle/base/COMMIT
   rm -rf "$keep"
   sed -n '/^# ---- run ----$/,$p' "$0" > bundle/experiment.sh
@@ -63,6 +65,13 @@ ab() {
 echo "== wgsl_backend"
 ATTNKIT_REQUIRE_COOP=1 ATTNKIT_CASES=8 timeout 150 $B/wgsl_backend > "$O/wgsl_backend.txt" 2>&1; echo "rc=$?"
 grep -E "test result|FAILED|panicked" "$O/wgsl_backend.txt" | head -12
+# The suites first, so that a time limit cannot cut them short.
+echo "== conformance wgpu::"
+ATTNKIT_CASES=8 timeout 120 $B/conformance wgpu:: > "$O/conf.txt" 2>&1; echo "rc=$?"; grep -E "test result|FAILED|panicked" "$O/conf.txt" | head -8
+if [[ -x bundle/base/conformance ]]; then
+  echo "== conformance wgpu::, base"
+  ATTNKIT_CASES=8 timeout 120 bundle/base/conformance wgpu:: > "$O/conf_base.txt" 2>&1; echo "rc=$?"; grep -E "test result|FAILED|panicked" "$O/conf_base.txt" | head -8
+fi
 TRIALS=()
 if [[ -n ${TRIAL_ENV:-} ]]; then IFS=';' read -r -a TRIALS <<< "$TRIAL_ENV"; fi
 n=0
@@ -83,5 +92,3 @@ timeout 150 $B/wgsl_bench --ignored --nocapture bench > "$O/bench.txt" 2>&1; ech
 grep -E "^\|" "$O/bench.txt" | cut -c1-200
 echo "== peer"
 timeout 80 bash bundle/run.sh anchor --quick > "$O/anchor.txt" 2>&1; echo "rc=$?"; tail -16 "$O/anchor.txt"
-echo "== conformance wgpu::"
-ATTNKIT_CASES=8 timeout 120 $B/conformance wgpu:: > "$O/conf.txt" 2>&1; echo "rc=$?"; grep -E "test result|FAILED|panicked" "$O/conf.txt" | head -8
