@@ -143,10 +143,11 @@ fn wg_bytes(p: &Plan, d: usize, wpc: usize) -> usize {
         Kernel::MicroTile => (p.bq * d + p.bk * d + p.bk * p.bq) * 4 + p.bk * p.bq,
         // Q^T in f32 (16-bit with `packed_half`), K^T-then-V in 16-bit pairs, P^T in f32 (16-bit
         // with `packed_half`), a vec4 per (key group, row quad), a vec4 of row information per row,
-        // and the unused twins of Q^T and P^T (one element each).
+        // and the unused twins of Q^T and P^T (one element each: a vec4<f32> with `packed_half`,
+        // else a vec2<u32>).
         Kernel::Packed => {
-            let w = if packed_half(p) { 2 } else { 4 };
-            (p.bq * d + p.bk * p.bq) * w + p.bk * d * 2 + p.bk * p.bq + p.bq * 16 + 32
+            let (w, twin) = if packed_half(p) { (2, 16) } else { (4, 8) };
+            (p.bq * d + p.bk * p.bq) * w + p.bk * d * 2 + p.bk * p.bq + p.bq * 16 + 2 * twin
         }
         // Two buffers of K and V tiles in f16 (rows padded by 8), each subgroup's f32 scratch rows
         // and f16 P rows (both padded by 4), a factor per row and the key range (padded to 16 bytes).
