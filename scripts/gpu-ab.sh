@@ -85,10 +85,10 @@ for t in "${TRIALS[@]}"; do
   # shellcheck disable=SC2086
   env $t ATTNKIT_STATS_ONLY=packed timeout 60 $B/wgsl_bench --ignored --nocapture kernel_statistics 2>&1 | grep -E "Register" | cut -c1-120
 done
+echo "== peer"
+timeout 80 bash bundle/run.sh anchor --quick > "$O/anchor.txt" 2>&1; echo "rc=$?"; tail -16 "$O/anchor.txt"
 echo "== A/B, default kernel alone, ms"
 ab
 echo "== full bench (new)"
 timeout 150 $B/wgsl_bench --ignored --nocapture bench > "$O/bench.txt" 2>&1; echo "rc=$?"
 grep -E "^\|" "$O/bench.txt" | cut -c1-200
-echo "== peer"
-timeout 80 bash bundle/run.sh anchor --quick > "$O/anchor.txt" 2>&1; echo "rc=$?"; tail -16 "$O/anchor.txt"
