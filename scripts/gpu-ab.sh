@@ -11,7 +11,8 @@
 # TRIAL_ENV="NAME=value ...[;NAME=value ...]" adds the new binary under each set of variables (a
 # trial switch of the tree; sets apart by ';') to the A/B, with its packed kernel's registers and
 # its tests. BASE_TESTS="wgsl_bench conformance" (here) also carries BASE's conformance suite, run
-# there after the new one's, so that either text can land with its GPU run.
+# there last, so that either text can land with its GPU run. COOP_AB=0 leaves the A/B's runs with
+# cooperative matrices out (the full bench still times that kernel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=${BASE:?BASE=<commit> whose shaders are the A/B base}
@@ -47,10 +48,14 @@ O=${OUT:-/tmp}
 ONLY=${ONLY:-" B4 "}
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 echo "base $(cat bundle/base/COMMIT), new $(cat bundle/COMMIT)"
+TRIALS=()
+if [[ -n ${TRIAL_ENV:-} ]]; then IFS=';' read -r -a TRIALS <<< "$TRIAL_ENV"; fi
 lean() { ATTNKIT_BENCH_LEAN=1 ATTNKIT_BENCH_ONLY="$ONLY" timeout 90 "$@" --ignored --nocapture bench 2>&1 | tee -a "$O/ab_raw.txt" | grep -E "^\| " | grep -v "^| shape" | cut -c1-90; }
 ab() {
-  echo "-- base"; lean bundle/base/wgsl_bench
-  echo "-- new"; lean $B/wgsl_bench
+  if [[ ${COOP_AB:-1} == 1 ]]; then
+    echo "-- base"; lean bundle/base/wgsl_bench
+    echo "-- new"; lean $B/wgsl_bench
+  fi
   if [[ ${PACKED:-1} == 1 ]]; then
     echo "-- base, cooperative matrices off"; ATTNKIT_WGPU_COOP=off lean bundle/base/wgsl_bench
     echo "-- new, cooperative matrices off"; ATTNKIT_WGPU_COOP=off lean $B/wgsl_bench
@@ -62,18 +67,20 @@ ab() {
     echo "-- new, $t, cooperative matrices off"; (export $t; ATTNKIT_WGPU_COOP=off lean $B/wgsl_bench)
   done
 }
+# What a time limit must not cut comes first: the suite, the peer, the A/B, the full bench; then
+# the backend's own tests, the trials' tests and registers, and the base's suite.
+echo "== conformance wgpu::"
+ATTNKIT_CASES=8 timeout 120 $B/conformance wgpu:: > "$O/conf.txt" 2>&1; echo "rc=$?"; grep -E "test result|FAILED|panicked" "$O/conf.txt" | head -8
+echo "== peer"
+timeout 80 bash bundle/run.sh anchor --quick > "$O/anchor.txt" 2>&1; echo "rc=$?"; tail -16 "$O/anchor.txt"
+echo "== A/B, default kernel alone, ms"
+ab
+echo "== full bench (new)"
+timeout 150 $B/wgsl_bench --ignored --nocapture bench > "$O/bench.txt" 2>&1; echo "rc=$?"
+grep -E "^\|" "$O/bench.txt" | cut -c1-200
 echo "== wgsl_backend"
 ATTNKIT_REQUIRE_COOP=1 ATTNKIT_CASES=8 timeout 150 $B/wgsl_backend > "$O/wgsl_backend.txt" 2>&1; echo "rc=$?"
 grep -E "test result|FAILED|panicked" "$O/wgsl_backend.txt" | head -12
-# The suites first, so that a time limit cannot cut them short.
-echo "== conformance wgpu::"
-ATTNKIT_CASES=8 timeout 120 $B/conformance wgpu:: > "$O/conf.txt" 2>&1; echo "rc=$?"; grep -E "test result|FAILED|panicked" "$O/conf.txt" | head -8
-if [[ -x bundle/base/conformance ]]; then
-  echo "== conformance wgpu::, base"
-  ATTNKIT_CASES=8 timeout 120 bundle/base/conformance wgpu:: > "$O/conf_base.txt" 2>&1; echo "rc=$?"; grep -E "test result|FAILED|panicked" "$O/conf_base.txt" | head -8
-fi
-TRIALS=()
-if [[ -n ${TRIAL_ENV:-} ]]; then IFS=';' read -r -a TRIALS <<< "$TRIAL_ENV"; fi
 n=0
 for t in "${TRIALS[@]}"; do
   n=$((n + 1))
@@ -85,10 +92,7 @@ for t in "${TRIALS[@]}"; do
   # shellcheck disable=SC2086
   env $t ATTNKIT_STATS_ONLY=packed timeout 60 $B/wgsl_bench --ignored --nocapture kernel_statistics 2>&1 | grep -E "Register" | cut -c1-120
 done
-echo "== peer"
-timeout 80 bash bundle/run.sh anchor --quick > "$O/anchor.txt" 2>&1; echo "rc=$?"; tail -16 "$O/anchor.txt"
-echo "== A/B, default kernel alone, ms"
-ab
-echo "== full bench (new)"
-timeout 150 $B/wgsl_bench --ignored --nocapture bench > "$O/bench.txt" 2>&1; echo "rc=$?"
-grep -E "^\|" "$O/bench.txt" | cut -c1-200
+if [[ -x bundle/base/conformance ]]; then
+  echo "== conformance wgpu::, base"
+  ATTNKIT_CASES=8 timeout 120 bundle/base/conformance wgpu:: > "$O/conf_base.txt" 2>&1; echo "rc=$?"; grep -E "test result|FAILED|panicked" "$O/conf_base.txt" | head -8
+fi
