@@ -10,8 +10,8 @@
 # cooperative matrices where the adapter has them, and again with them off (PACKED=1, default).
 # TRIAL_ENV="NAME=value ...[;NAME=value ...]" adds the new binary under each set of variables (a
 # trial switch of the tree; sets apart by ';') to the A/B, with its packed kernel's registers and
-# its tests. BASE_TESTS="wgsl_bench conformance" (here) also carries BASE's conformance suite, run
-# there last, so that either text can land with its GPU run. COOP_AB=0 leaves the A/B's runs with
+# its tests. BASE_SUITE=1 (here) also carries BASE's conformance suite, so that either text can
+# land with its GPU run. Every suite runs before any timing. COOP_AB=0 leaves the A/B's runs with
 # cooperative matrices out (the full bench still times that kernel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -23,7 +23,8 @@ if [[ ${1:-} == bundle ]]; then
   # cannot pick them up), the tree's own put back after the build.
   rm -rf shaders && git archive "$BASE" shaders | tar -x
   trap 'rm -rf shaders && cp -r "$keep/shaders" .' EXIT
-  BASE_TESTS=${BASE_TESTS:-wgsl_bench}
+  BASE_TESTS="wgsl_bench"
+  if [[ ${BASE_SUITE:-0} == 1 ]]; then BASE_TESTS="wgsl_bench conformance"; fi
   FEATURES=cuda,wgpu TESTS="$BASE_TESTS" bash scripts/gpu-bundle.sh # no cli: no release build
   mkdir -p "$keep/base"
   for t in $BASE_TESTS; do cp "bundle/bin/$t" "$keep/base/"; done
@@ -67,17 +68,14 @@ ab() {
     echo "-- new, $t, cooperative matrices off"; (export $t; ATTNKIT_WGPU_COOP=off lean $B/wgsl_bench)
   done
 }
-# What a time limit must not cut comes first: the suite, the peer, the A/B, the full bench; then
-# the backend's own tests, the trials' tests and registers, and the base's suite.
+# Correct before fast: every suite (the new text's, the base's, each trial's) before any timing;
+# then the peer, the A/B and the full bench.
 echo "== conformance wgpu::"
 ATTNKIT_CASES=8 timeout 120 $B/conformance wgpu:: > "$O/conf.txt" 2>&1; echo "rc=$?"; grep -E "test result|FAILED|panicked" "$O/conf.txt" | head -8
-echo "== peer"
-timeout 80 bash bundle/run.sh anchor --quick > "$O/anchor.txt" 2>&1; echo "rc=$?"; tail -16 "$O/anchor.txt"
-echo "== A/B, default kernel alone, ms"
-ab
-echo "== full bench (new)"
-timeout 150 $B/wgsl_bench --ignored --nocapture bench > "$O/bench.txt" 2>&1; echo "rc=$?"
-grep -E "^\|" "$O/bench.txt" | cut -c1-200
+if [[ -x bundle/base/conformance ]]; then
+  echo "== conformance wgpu::, base"
+  ATTNKIT_CASES=8 timeout 120 bundle/base/conformance wgpu:: > "$O/conf_base.txt" 2>&1; echo "rc=$?"; grep -E "test result|FAILED|panicked" "$O/conf_base.txt" | head -8
+fi
 echo "== wgsl_backend"
 ATTNKIT_REQUIRE_COOP=1 ATTNKIT_CASES=8 timeout 150 $B/wgsl_backend > "$O/wgsl_backend.txt" 2>&1; echo "rc=$?"
 grep -E "test result|FAILED|panicked" "$O/wgsl_backend.txt" | head -12
@@ -92,7 +90,10 @@ for t in "${TRIALS[@]}"; do
   # shellcheck disable=SC2086
   env $t ATTNKIT_STATS_ONLY=packed timeout 60 $B/wgsl_bench --ignored --nocapture kernel_statistics 2>&1 | grep -E "Register" | cut -c1-120
 done
-if [[ -x bundle/base/conformance ]]; then
-  echo "== conformance wgpu::, base"
-  ATTNKIT_CASES=8 timeout 120 bundle/base/conformance wgpu:: > "$O/conf_base.txt" 2>&1; echo "rc=$?"; grep -E "test result|FAILED|panicked" "$O/conf_base.txt" | head -8
-fi
+echo "== peer"
+timeout 80 bash bundle/run.sh anchor --quick > "$O/anchor.txt" 2>&1; echo "rc=$?"; tail -16 "$O/anchor.txt"
+echo "== A/B, default kernel alone, ms"
+ab
+echo "== full bench (new)"
+timeout 150 $B/wgsl_bench --ignored --nocapture bench > "$O/bench.txt" 2>&1; echo "rc=$?"
+grep -E "^\|" "$O/bench.txt" | cut -c1-200
