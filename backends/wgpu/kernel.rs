@@ -970,19 +970,14 @@ mod tests {
 
     #[test]
     fn packed_q_steps_follow_the_head_dim() {
-        // 16 d a q.k iteration where D / 4 allows it (4 unrolled steps), else 8 or 4.
-        let p = Plan { kernel: Kernel::Packed, bq: 32, bk: 64, nks: 0, pf: 0, tpk: 0 };
-        for (d, steps) in [(128, 4), (96, 4), (24, 2), (20, 1)] {
+        // 16 d a q.k iteration where D / 4 allows it (4 unrolled steps), else 8 or 4; in the
+        // 64-row tile (Q^T and P^T 16-bit) 8 d an iteration at most.
+        let cases = [(32, 128, 4), (32, 96, 4), (32, 24, 2), (32, 20, 1), (64, 128, 2), (64, 24, 2), (64, 20, 1)];
+        for (bq, d, steps) in cases {
+            let p = Plan { kernel: Kernel::Packed, bq, bk: 64, nks: 0, pf: 0, tpk: 0 };
             let s = packed_source(d, DType::F16 as u32, &p);
-            assert!(s.contains(&format!("let cu = {}u;", steps - 1)), "D {d}");
-            assert!(!s.contains(&format!("let cu = {steps}u;")), "D {d}");
-        }
-        // The 64-row tile (Q^T and P^T 16-bit): 8 d an iteration at most.
-        let wide = Plan { kernel: Kernel::Packed, bq: 64, bk: 64, nks: 0, pf: 0, tpk: 0 };
-        for (d, steps) in [(128, 2), (24, 2), (20, 1)] {
-            let s = packed_source(d, DType::F16 as u32, &wide);
-            assert!(s.contains(&format!("let cu = {}u;", steps - 1)), "D {d}");
-            assert!(!s.contains(&format!("let cu = {steps}u;")), "D {d}");
+            assert!(s.contains(&format!("let cu = {}u;", steps - 1)), "{bq} rows, D {d}");
+            assert!(!s.contains(&format!("let cu = {steps}u;")), "{bq} rows, D {d}");
         }
     }
 }
