@@ -70,22 +70,25 @@ ab() {
 }
 # Correct before fast: every suite (the new text's, the base's, each trial's) before any timing;
 # then the peer, the A/B and the full bench.
-echo "== conformance wgpu::"
-ATTNKIT_CASES=8 timeout 120 $B/conformance wgpu:: > "$O/conf.txt" 2>&1; echo "rc=$?"; grep -E "test result|FAILED|panicked" "$O/conf.txt" | head -8
+# suite TITLE LOG [NAME=value ...] COMMAND...: a test binary, 8 cases a property, its output
+# in $O/LOG, its exit status and summary lines here.
+suite() {
+  local title=$1 log=$2
+  shift 2
+  echo "== $title"
+  env ATTNKIT_CASES=8 "$@" > "$O/$log" 2>&1; echo "rc=$?"
+  grep -E "test result|FAILED|panicked" "$O/$log" | head -12
+}
+suite "conformance wgpu::" conf.txt timeout 120 $B/conformance wgpu::
 if [[ -x bundle/base/conformance ]]; then
-  echo "== conformance wgpu::, base"
-  ATTNKIT_CASES=8 timeout 120 bundle/base/conformance wgpu:: > "$O/conf_base.txt" 2>&1; echo "rc=$?"; grep -E "test result|FAILED|panicked" "$O/conf_base.txt" | head -8
+  suite "conformance wgpu::, base" conf_base.txt timeout 120 bundle/base/conformance wgpu::
 fi
-echo "== wgsl_backend"
-ATTNKIT_REQUIRE_COOP=1 ATTNKIT_CASES=8 timeout 150 $B/wgsl_backend > "$O/wgsl_backend.txt" 2>&1; echo "rc=$?"
-grep -E "test result|FAILED|panicked" "$O/wgsl_backend.txt" | head -12
+suite wgsl_backend wgsl_backend.txt ATTNKIT_REQUIRE_COOP=1 timeout 150 $B/wgsl_backend
 n=0
 for t in "${TRIALS[@]}"; do
   n=$((n + 1))
-  echo "== wgsl_backend, $t"
   # shellcheck disable=SC2086
-  env $t ATTNKIT_REQUIRE_COOP=1 ATTNKIT_CASES=8 timeout 150 $B/wgsl_backend > "$O/wgsl_backend_trial$n.txt" 2>&1; echo "rc=$?"
-  grep -E "test result|FAILED|panicked" "$O/wgsl_backend_trial$n.txt" | head -12
+  suite "wgsl_backend, $t" "wgsl_backend_trial$n.txt" $t ATTNKIT_REQUIRE_COOP=1 timeout 150 $B/wgsl_backend
   echo "== registers, $t"
   # shellcheck disable=SC2086
   env $t ATTNKIT_STATS_ONLY=packed timeout 60 $B/wgsl_bench --ignored --nocapture kernel_statistics 2>&1 | grep -E "Register" | cut -c1-120
