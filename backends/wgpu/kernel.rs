@@ -31,7 +31,7 @@ const HEADER: usize = 24;
 /// thread per row for the softmax (threads = rows * keys / 16 >= rows).
 const MT_TILES: [(usize, usize); 4] = [(32, 32), (16, 32), (32, 16), (16, 16)];
 /// Packed-kernel (rows, keys) tiles, largest first (rows / 4 and keys / 4 powers of two); the
-/// automatic choice takes only the first two ([`packed_plan`]). The 64-row tile keeps Q^T and P^T
+/// automatic choice takes only those of 64 keys and 32 rows or more ([`packed_plan`]). The 64-row tile keeps Q^T and P^T
 /// 16-bit ([`packed_half`]).
 const PACKED_TILES: [(usize, usize); 5] = [(64, 64), (32, 64), (16, 64), (32, 32), (16, 32)];
 /// Largest head dim of the packed kernel (its output block: 4 rows of `d / 4 / (keys / 4)` vec4s).
@@ -189,8 +189,8 @@ fn mt_plan(d: usize, limit: u32) -> Option<Plan> {
         .find(|p| wg_bytes(p, d, 1) <= limit as usize)
 }
 
-/// The packed plan: with `auto` (calls of `rows` rows a sequence at most), the first two tiles,
-/// the 64-row one only where 64 rows fill it (the ones measured: 64x64, 256 threads, ran 1.07x
+/// The packed plan: with `auto` (calls of `rows` rows a sequence at most), the tiles of 64 keys
+/// and 32 rows or more, the 64-row one only where 64 rows fill it (the ones measured: 64x64, 256 threads, ran 1.07x
 /// (f16) / 1.10x (bf16) faster than 32x64 at head dim 128 on an H200; smaller ones put more K/V
 /// words or output columns in each thread's registers, and an H100 ran 16x64 at 4.7x and 32x32
 /// at 1.9x the time of 32x64, with the kernel's first, 8-row blocks); forced, any tile that fits.
@@ -198,11 +198,11 @@ fn packed_plan(d: usize, dt: DType, limit: u32, auto: Option<usize>) -> Option<P
     if !matches!(dt, DType::F16 | DType::BF16) || d > PACKED_MAX_D {
         return None;
     }
-    let tiles = if auto.is_some() { &PACKED_TILES[..2] } else { &PACKED_TILES[..] };
-    tiles
+    PACKED_TILES
         .iter()
-        // Automatic: no tile of more rows than the call fills, but for the 32-row one.
-        .filter(|&&(bq, _)| auto.is_none_or(|rows| bq <= rows.max(32)))
+        // Automatic: the measured tiles (64 keys, 32 rows or more), none of more rows than the
+        // call fills but for the 32-row one.
+        .filter(|&&(bq, bk)| auto.is_none_or(|rows| bk == 64 && (32..=rows.max(32)).contains(&bq)))
         .map(|&(bq, bk)| Plan { kernel: Kernel::Packed, bq, bk, nks: 0, pf: 0, tpk: 0 })
         .find(|p| wg_bytes(p, d, 1) <= limit as usize)
 }
@@ -955,6 +955,7 @@ mod tests {
         assert_eq!(tile(128, 48 * 1024, Some(4096)), Some((64, 64)));
         assert_eq!(tile(128, 48 * 1024, Some(64)), Some((64, 64)));
         assert_eq!(tile(128, 48 * 1024, Some(63)), Some((32, 64)));
+        assert_eq!(tile(128, 48 * 1024, Some(1)), Some((32, 64)));
         let wide = Plan { kernel: Kernel::Packed, bq: 64, bk: 64, nks: 0, pf: 0, tpk: 0 };
         assert!(packed_half(&wide) && wg_bytes(&wide, 128, 1) == 46112);
         // 32 KiB (Mesa's lavapipe): the 64-row tile up to head dim 72, the 32-row one to 84.
