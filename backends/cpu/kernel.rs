@@ -22,7 +22,7 @@
 
 use std::sync::{Mutex, OnceLock};
 
-use half::{bf16, f16, slice::HalfFloatSliceExt};
+use half::{bf16, f16};
 use rayon::prelude::*;
 
 #[cfg(target_arch = "x86_64")]
@@ -77,8 +77,14 @@ pub(crate) trait Element: Copy + Send + Sync + 'static {
     /// # Safety
     /// `S`'s instruction set is present and `S::LANES` elements are readable at `p`.
     unsafe fn load<S: Simd>(p: *const Self) -> S::V;
-    /// Write an f32 row into `dst` (same length), rounding to nearest even.
-    fn store_row(src: &[f32], dst: &mut [Self]);
+    const ZERO: Self;
+    /// `LANES` values narrowed (rounding to nearest even) and stored at `p`.
+    ///
+    /// # Safety
+    /// `S`'s instruction set is present and `S::LANES` elements are writable at `p`.
+    unsafe fn store<S: Simd>(p: *mut Self, v: S::V);
+    /// One element narrowed, rounding to nearest even (as `store`).
+    fn narrow(x: f32) -> Self;
 }
 impl Element for f32 {
     #[inline(always)]
@@ -90,8 +96,15 @@ impl Element for f32 {
         // SAFETY: forwarded from the caller.
         unsafe { S::load(p) }
     }
-    fn store_row(src: &[f32], dst: &mut [f32]) {
-        dst.copy_from_slice(src);
+    const ZERO: f32 = 0.0;
+    #[inline(always)]
+    unsafe fn store<S: Simd>(p: *mut f32, v: S::V) {
+        // SAFETY: forwarded from the caller.
+        unsafe { S::store(p, v) }
+    }
+    #[inline(always)]
+    fn narrow(x: f32) -> f32 {
+        x
     }
 }
 impl Element for f16 {
@@ -104,8 +117,15 @@ impl Element for f16 {
         // SAFETY: forwarded from the caller; f16 is a u16 bit pattern.
         unsafe { S::load_f16(p as *const u16) }
     }
-    fn store_row(src: &[f32], dst: &mut [f16]) {
-        dst.convert_from_f32_slice(src);
+    const ZERO: f16 = f16::ZERO;
+    #[inline(always)]
+    unsafe fn store<S: Simd>(p: *mut f16, v: S::V) {
+        // SAFETY: forwarded from the caller; f16 is a u16 bit pattern.
+        unsafe { S::store_f16(p as *mut u16, v) }
+    }
+    #[inline(always)]
+    fn narrow(x: f32) -> f16 {
+        f16::from_f32(x)
     }
 }
 impl Element for bf16 {
@@ -118,8 +138,15 @@ impl Element for bf16 {
         // SAFETY: forwarded from the caller; bf16 is a u16 bit pattern.
         unsafe { S::load_bf16(p as *const u16) }
     }
-    fn store_row(src: &[f32], dst: &mut [bf16]) {
-        dst.convert_from_f32_slice(src);
+    const ZERO: bf16 = bf16::ZERO;
+    #[inline(always)]
+    unsafe fn store<S: Simd>(p: *mut bf16, v: S::V) {
+        // SAFETY: forwarded from the caller; bf16 is a u16 bit pattern.
+        unsafe { S::store_bf16(p as *mut u16, v) }
+    }
+    #[inline(always)]
+    fn narrow(x: f32) -> bf16 {
+        bf16::from_f32(x)
     }
 }
 
@@ -993,32 +1020,50 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
     for x in 0..rw.nkh {
         for r in 0..rows {
             let sr = x * rp + r;
-            write_row(ctx, t.b, seq, rw.at(c, x, r), &o[sr * dp..sr * dp + d], (m[sr], l[sr]), row);
+            // SAFETY: `S` is present (the caller's promise); the row has `dp` elements.
+            unsafe { write_row::<S, T>(ctx, t.b, seq, rw.at(c, x, r), &o[sr * dp..(sr + 1) * dp], (m[sr], l[sr])) };
         }
     }
 }
 
-/// Normalise and store one output row (and its lse); `m` is in log2 units.
-fn write_row<T: Element>(
+/// Normalise and store one output row (and its lse); `m` is in log2 units. `o` holds the row
+/// padded to a whole number of vectors (`d` rounded up to `S::LANES` or more).
+///
+/// # Safety
+/// `S`'s instruction set is present.
+#[inline(always)]
+unsafe fn write_row<S: Simd, T: Element>(
     ctx: &Ctx<'_, T>,
     b: usize,
     seq: &Seq,
     (i, h): (usize, usize),
     o: &[f32],
     (m, l): (f32, f32),
-    tmp: &mut [f32],
 ) {
     let c = ctx.c;
     let d = c.d;
-    let (inv, lse) =
-        if l > 0.0 { (1.0 / l, (m + l.log2()) * std::f32::consts::LN_2) } else { (0.0, f32::NEG_INFINITY) };
-    let tmp = &mut tmp[..d];
-    for (y, &x) in tmp.iter_mut().zip(o) {
-        *y = if l > 0.0 { x * inv } else { 0.0 };
-    }
+    assert!(o.len() >= d.next_multiple_of(S::LANES));
     let base = ((seq.q_start + i) * c.hq + h) * d;
     // SAFETY: row (seq, i, h) of out belongs to this task (or merge group) alone.
-    T::store_row(tmp, unsafe { ctx.out.slice(base, d) });
+    let dst = unsafe { ctx.out.slice(base, d) };
+    let lse = if l > 0.0 {
+        let inv = 1.0 / l;
+        let whole = d - d % S::LANES;
+        // SAFETY: `S` is present; o has `whole` elements and more, dst `whole`, vector by vector.
+        unsafe {
+            let f = S::splat(inv);
+            for y in (0..whole).step_by(S::LANES) {
+                T::store::<S>(dst.as_mut_ptr().add(y), S::mul(S::load(o.as_ptr().add(y)), f));
+            }
+        }
+        for y in whole..d {
+            dst[y] = T::narrow(o[y] * inv);
+        }
+        (m + l.log2()) * std::f32::consts::LN_2
+    } else {
+        dst.fill(T::ZERO);
+        f32::NEG_INFINITY
+    };
     if let Some(ls) = ctx.lse {
         // SAFETY: lse index (seq, h, i) belongs to this task alone.
         unsafe { ls.slice(c.lse_index(b, seq, h, i), 1)[0] = lse };
@@ -1029,11 +1074,10 @@ fn write_row<T: Element>(
 fn merge<T: Element>(ctx: &Ctx<'_, T>, b: usize, seq: &Seq, grp: usize, gslot: usize, sc: &mut Scratch) {
     let c = ctx.c;
     let plan = ctx.plan;
-    let (d, dp, prp, ns) = (c.d, plan.dp, plan.rp, plan.nsplit);
+    let (dp, prp, ns) = (plan.dp, plan.rp, plan.nsplit);
     let rw = Rows::of(c, &plan, seq, grp);
     let per = rw.per_head();
     let acc = sc.o.get(dp);
-    let tmp = sc.row.get(dp);
     let size = plan.slot();
     // SAFETY: the splits' slots of this group are read by this merge alone, after every task joined.
     let slots = unsafe { ctx.partial.slice(gslot * ns * size, ns * size) };
@@ -1055,6 +1099,8 @@ fn merge<T: Element>(ctx: &Ctx<'_, T>, b: usize, seq: &Seq, grp: usize, gslot: u
                 }
             }
         }
-        write_row(ctx, b, seq, rw.at(c, r / per, r % per), &acc[..d], (mmax, lsum), tmp);
+        // SAFETY: the portable set needs nothing beyond the target's baseline; acc has `dp`
+        // elements, a multiple of every set's lanes.
+        unsafe { write_row::<Portable, T>(ctx, b, seq, rw.at(c, r / per, r % per), acc, (mmax, lsum)) };
     }
 }

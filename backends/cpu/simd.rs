@@ -27,6 +27,7 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     /// `a * b + c`, fused.
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     unsafe fn add(a: Self::V, b: Self::V) -> Self::V;
+    unsafe fn mul(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn sub(a: Self::V, b: Self::V) -> Self::V;
     unsafe fn max(a: Self::V, b: Self::V) -> Self::V;
     /// 2^x; exactly 0 for x below -126 (and for -inf).
@@ -35,6 +36,12 @@ pub(crate) trait Simd: Copy + Send + Sync + 'static {
     unsafe fn load_f16(p: *const u16) -> Self::V;
     /// `LANES` bf16 values widened.
     unsafe fn load_bf16(p: *const u16) -> Self::V;
+    /// `LANES` values narrowed to f16 bits at `p`, rounded to nearest even (as `half`'s
+    /// `f16::from_f32`).
+    unsafe fn store_f16(p: *mut u16, v: Self::V);
+    /// `LANES` values narrowed to bf16 bits at `p`, rounded to nearest even, NaN kept quiet (as
+    /// `half`'s `bf16::from_f32`).
+    unsafe fn store_bf16(p: *mut u16, v: Self::V);
     /// Lanes with `a <= j < e` keep `t`, the others become -inf.
     unsafe fn mask_range(t: Self::V, j: f32, a: Self::V, e: Self::V) -> Self::V;
     /// -inf lanes become 0.
@@ -105,6 +112,10 @@ mod x86 {
             _mm512_add_ps(a, b)
         }
         #[inline(always)]
+        unsafe fn mul(a: __m512, b: __m512) -> __m512 {
+            _mm512_mul_ps(a, b)
+        }
+        #[inline(always)]
         unsafe fn sub(a: __m512, b: __m512) -> __m512 {
             _mm512_sub_ps(a, b)
         }
@@ -134,6 +145,28 @@ mod x86 {
             // SAFETY: the caller guarantees 16 readable u16 at `p` and AVX-512F.
             let h = unsafe { _mm256_loadu_si256(p as *const __m256i) };
             _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+        }
+        #[inline(always)]
+        unsafe fn store_f16(p: *mut u16, v: __m512) {
+            let h = _mm512_cvtps_ph::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(v);
+            // SAFETY: the caller guarantees 16 writable u16 at `p` and AVX-512F.
+            unsafe { _mm256_storeu_si256(p as *mut __m256i, h) }
+        }
+        #[inline(always)]
+        unsafe fn store_bf16(p: *mut u16, v: __m512) {
+            let x = _mm512_castps_si512(v);
+            // Round to nearest even: add 0x7fff and the kept part's lowest bit, keep the top half.
+            let lsb = _mm512_and_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(1));
+            let r = _mm512_srli_epi32::<16>(_mm512_add_epi32(_mm512_add_epi32(x, _mm512_set1_epi32(0x7fff)), lsb));
+            // NaN: the top half with the quiet bit set.
+            let nan = _mm512_cmpgt_epi32_mask(
+                _mm512_and_si512(x, _mm512_set1_epi32(0x7fff_ffff)),
+                _mm512_set1_epi32(0x7f80_0000),
+            );
+            let q = _mm512_or_si512(_mm512_srli_epi32::<16>(x), _mm512_set1_epi32(0x40));
+            let h = _mm512_cvtepi32_epi16(_mm512_mask_blend_epi32(nan, r, q));
+            // SAFETY: the caller guarantees 16 writable u16 at `p` and AVX-512F.
+            unsafe { _mm256_storeu_si256(p as *mut __m256i, h) }
         }
         #[inline(always)]
         unsafe fn mask_range(t: __m512, j: f32, a: __m512, e: __m512) -> __m512 {
@@ -187,6 +220,10 @@ mod x86 {
             _mm256_add_ps(a, b)
         }
         #[inline(always)]
+        unsafe fn mul(a: __m256, b: __m256) -> __m256 {
+            _mm256_mul_ps(a, b)
+        }
+        #[inline(always)]
         unsafe fn sub(a: __m256, b: __m256) -> __m256 {
             _mm256_sub_ps(a, b)
         }
@@ -217,6 +254,27 @@ mod x86 {
             // SAFETY: the caller guarantees 8 readable u16 at `p` and AVX2.
             let h = unsafe { _mm_loadu_si128(p as *const __m128i) };
             _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        }
+        #[inline(always)]
+        unsafe fn store_f16(p: *mut u16, v: __m256) {
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+            // SAFETY: the caller guarantees 8 writable u16 at `p` and F16C.
+            unsafe { _mm_storeu_si128(p as *mut __m128i, h) }
+        }
+        #[inline(always)]
+        unsafe fn store_bf16(p: *mut u16, v: __m256) {
+            let x = _mm256_castps_si256(v);
+            // As Avx512's: round to nearest even, NaN quiet.
+            let lsb = _mm256_and_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(1));
+            let r = _mm256_srli_epi32::<16>(_mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb));
+            let nan =
+                _mm256_cmpgt_epi32(_mm256_and_si256(x, _mm256_set1_epi32(0x7fff_ffff)), _mm256_set1_epi32(0x7f80_0000));
+            let q = _mm256_or_si256(_mm256_srli_epi32::<16>(x), _mm256_set1_epi32(0x40));
+            let w = _mm256_blendv_epi8(r, q, nan);
+            // Every lane is at most 0xffff, so the unsigned saturating pack keeps it.
+            let h = _mm_packus_epi32(_mm256_castsi256_si128(w), _mm256_extracti128_si256::<1>(w));
+            // SAFETY: the caller guarantees 8 writable u16 at `p` and AVX2.
+            unsafe { _mm_storeu_si128(p as *mut __m128i, h) }
         }
         #[inline(always)]
         unsafe fn mask_range(t: __m256, j: f32, a: __m256, e: __m256) -> __m256 {
@@ -291,6 +349,10 @@ impl Simd for Portable {
         map2(a, b, |x, y| x + y)
     }
     #[inline(always)]
+    unsafe fn mul(a: P8, b: P8) -> P8 {
+        map2(a, b, |x, y| x * y)
+    }
+    #[inline(always)]
     unsafe fn sub(a: P8, b: P8) -> P8 {
         map2(a, b, |x, y| x - y)
     }
@@ -334,6 +396,20 @@ impl Simd for Portable {
         r
     }
     #[inline(always)]
+    unsafe fn store_f16(p: *mut u16, v: P8) {
+        for (i, &x) in v.iter().enumerate() {
+            // SAFETY: the caller guarantees 8 writable u16 at `p`.
+            unsafe { p.add(i).write_unaligned(half::f16::from_f32(x).to_bits()) };
+        }
+    }
+    #[inline(always)]
+    unsafe fn store_bf16(p: *mut u16, v: P8) {
+        for (i, &x) in v.iter().enumerate() {
+            // SAFETY: the caller guarantees 8 writable u16 at `p`.
+            unsafe { p.add(i).write_unaligned(half::bf16::from_f32(x).to_bits()) };
+        }
+    }
+    #[inline(always)]
     unsafe fn mask_range(t: P8, j: f32, a: P8, e: P8) -> P8 {
         let mut r = [0.0; 8];
         for i in 0..8 {
@@ -344,5 +420,117 @@ impl Simd for Portable {
     #[inline(always)]
     unsafe fn neg_inf_to_zero(x: P8) -> P8 {
         x.map(|v| if v == f32::NEG_INFINITY { 0.0 } else { v })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Bit patterns of the narrowing's edges (signed zeros, ties of both formats, the f16
+    /// overflow and subnormal ranges, bf16's largest finite, infinities, quiet and signalling
+    /// NaN with payloads), then random ones.
+    fn patterns() -> Vec<u32> {
+        let mut v = vec![
+            0x0000_0000,
+            0x8000_0000,
+            0x3f80_0000,
+            0xbf80_0000,
+            0x477f_e000,
+            0x477f_f000,
+            0x477f_efff,
+            0x4780_0000,
+            0x3380_0000,
+            0x3300_0000,
+            0x3300_0001,
+            0x3280_0000,
+            0x3880_0000,
+            0x387f_c000,
+            0x0d6d_0000,
+            0x0000_0001,
+            0x3f80_8000,
+            0x3f81_8000,
+            0x3f80_8001,
+            0x3f80_7fff,
+            0x7f7f_ffff,
+            0xff7f_ffff,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7fc0_0000,
+            0xffc0_0000,
+            0x7f80_0001,
+            0xff80_0001,
+            0x7fbf_ffff,
+            0x7fc1_2345,
+            0x3a00_1000,
+            0x3a00_3000,
+        ];
+        let mut s = 0x9E37_79B9_7F4A_7C15u64;
+        for _ in 0..4096 {
+            s = s.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            v.push((z ^ (z >> 31)) as u32);
+        }
+        v.truncate(v.len() / 16 * 16);
+        v
+    }
+
+    /// `S`'s f16 and bf16 stores give `half`'s bits for every pattern.
+    ///
+    /// # Safety
+    /// `S`'s instruction set is present.
+    unsafe fn narrowing_matches_half<S: Simd>(name: &str) {
+        let x: Vec<f32> = patterns().into_iter().map(f32::from_bits).collect();
+        let (mut h, mut b) = (vec![0u16; x.len()], vec![0u16; x.len()]);
+        for i in (0..x.len()).step_by(S::LANES) {
+            // SAFETY: `S` is present (the caller's promise); LANES elements at i of each vector.
+            unsafe {
+                let v = S::load(x.as_ptr().add(i));
+                S::store_f16(h.as_mut_ptr().add(i), v);
+                S::store_bf16(b.as_mut_ptr().add(i), v);
+            }
+        }
+        for (i, &y) in x.iter().enumerate() {
+            assert_eq!(h[i], half::f16::from_f32(y).to_bits(), "{name} f16 of {:#010x}", y.to_bits());
+            assert_eq!(b[i], half::bf16::from_f32(y).to_bits(), "{name} bf16 of {:#010x}", y.to_bits());
+        }
+    }
+
+    #[test]
+    fn narrowing_matches_half_on_every_set_present() {
+        // SAFETY: the portable set needs nothing beyond the baseline.
+        unsafe { narrowing_matches_half::<Portable>("portable") };
+        #[cfg(target_arch = "x86_64")]
+        {
+            let avx2 = is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c");
+            if avx2 {
+                // SAFETY: AVX2 and F16C detected just above.
+                unsafe { avx2_case() };
+            } else {
+                eprintln!("NOT TESTED: avx2 narrowing (this CPU lacks AVX2 or F16C)");
+            }
+            if avx2 && is_x86_feature_detected!("avx512f") {
+                // SAFETY: AVX-512F, AVX2 and F16C detected just above.
+                unsafe { avx512_case() };
+            } else {
+                eprintln!("NOT TESTED: avx512 narrowing (this CPU lacks AVX-512F)");
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn avx2_case() {
+        // SAFETY: this function's features are those Avx2 needs.
+        unsafe { narrowing_matches_half::<Avx2>("avx2") }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx512f,avx2,fma,f16c")]
+    unsafe fn avx512_case() {
+        // SAFETY: this function's features are those Avx512 needs.
+        unsafe { narrowing_matches_half::<Avx512>("avx512") }
     }
 }
