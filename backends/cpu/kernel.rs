@@ -44,6 +44,8 @@ const BK: usize = 64;
 const ROWS: usize = 256;
 /// Largest lane count of any instruction set, for padding.
 const MAX_LANES: usize = 16;
+/// Most vectors of rows a task has: [`ROWS`] rows at the fewest lanes of any set (8).
+const MAX_VECS: usize = ROWS / 8;
 
 /// Row stride (elements) of a tile whose rows hold `rp` padded elements: an odd number of 64-byte
 /// lines once a row is 256 bytes or more. The q·k kernel walks the transposed q tile down D and
@@ -794,10 +796,17 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
 
     let (mk, mr) = (S::MR, S::MR);
     let lanes = S::LANES;
+    let nvec = rp / lanes;
+    assert!(nvec <= MAX_VECS);
     let mut j0 = ks;
     while j0 < ke {
         let n = BK.min(ke - j0);
-        let mut any = false;
+        // Per vector of rows: the first key any of its rows sees (usize::MAX if none), the end
+        // of its rows' keys, and whether every row sees the whole tile; gathered here once a tile
+        // rather than by a scan of the rows in each loop below.
+        let mut vlo = [usize::MAX; MAX_VECS];
+        let mut vhi = [0usize; MAX_VECS];
+        let mut vfull = [true; MAX_VECS];
         for r in 0..rp {
             a[r] = lo[r].clamp(j0, j0 + n) - j0;
             e[r] = hi[r].clamp(j0, j0 + n) - j0;
@@ -806,15 +815,20 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
             }
             af[r] = a[r] as f32;
             ef[r] = e[r] as f32;
-            any |= a[r] < e[r];
+            let v = r / lanes;
+            if a[r] < e[r] {
+                vlo[v] = vlo[v].min(a[r]);
+            }
+            vhi[v] = vhi[v].max(e[r]);
+            vfull[v] &= a[r] == 0 && e[r] == n;
         }
-        if !any {
+        // The keys any row sees.
+        let ua = vlo[..nvec].iter().copied().min().unwrap_or(usize::MAX);
+        if ua == usize::MAX {
             j0 += n;
             continue;
         }
-        // The keys any row sees.
-        let ua = (0..rp).filter(|&r| a[r] < e[r]).map(|r| a[r]).min().unwrap_or(0);
-        let ue = (0..rp).map(|r| e[r]).max().unwrap_or(0);
+        let ue = vhi[..nvec].iter().copied().max().unwrap_or(0);
         // kv heads innermost: the heads of one token are adjacent in memory, so a task over
         // several heads reads whole token rows (decode).
         for x in 0..rw.nkh {
@@ -864,10 +878,10 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
             let mut r0 = if direct { rp } else { 0 };
             while r0 < rp {
                 let nr = if r0 + 2 * lanes <= rp { 2 } else { 1 };
-                let rr = r0..r0 + nr * lanes;
-                let ca = rr.clone().filter(|&r| a[r] < e[r]).map(|r| a[r]).min();
-                if let Some(ca) = ca {
-                    let ce = rr.map(|r| e[r]).max().unwrap_or(0);
+                let v = r0 / lanes;
+                let ca = vlo[v..v + nr].iter().copied().min().unwrap_or(usize::MAX);
+                if ca != usize::MAX {
+                    let ce = vhi[v..v + nr].iter().copied().max().unwrap_or(0);
                     let dims = (rs, dp, d);
                     // Keys ca..ce in groups of MR (the packed tile has BK rows, a multiple of MR).
                     let mut j = ca / mk * mk;
@@ -898,12 +912,11 @@ unsafe fn task<S: Simd, T: Element>(ctx: &Ctx<'_, T>, t: Task, sc: &mut Scratch)
             // Online softmax down the key axis, a vector of rows at a time.
             for r0 in (0..rp).step_by(lanes) {
                 let rr = r0..r0 + lanes;
-                let Some(va) = rr.clone().filter(|&r| a[r] < e[r]).map(|r| a[r]).min() else {
+                let (va, ve, full) = (vlo[r0 / lanes], vhi[r0 / lanes], vfull[r0 / lanes]);
+                if va == usize::MAX {
                     alpha[r0..r0 + lanes].fill(1.0);
                     continue;
-                };
-                let ve = rr.clone().map(|r| e[r]).max().unwrap_or(0);
-                let full = rr.clone().all(|r| a[r] == 0 && e[r] == n);
+                }
                 if slow {
                     for j in va..ve {
                         for r in rr.clone() {
