@@ -79,6 +79,7 @@ pub(crate) trait Element: Copy + Send + Sync + 'static {
     /// # Safety
     /// `S`'s instruction set is present and `S::LANES` elements are readable at `p`.
     unsafe fn load<S: Simd>(p: *const Self) -> S::V;
+    /// Zero: the output of a row that sees no key.
     const ZERO: Self;
     /// `LANES` values narrowed (rounding to nearest even) and stored at `p`.
     ///

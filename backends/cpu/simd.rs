@@ -8,6 +8,8 @@
 
 #![allow(clippy::missing_safety_doc)]
 
+use half::slice::HalfFloatSliceExt;
+
 /// Coefficients of 2^f = e^(f ln 2) on [-0.5, 0.5] (Taylor to degree 6: relative error < 2e-7).
 const C: [f32; 7] =
     [1.0, std::f32::consts::LN_2, 0.240_226_5, 0.055_504_11, 0.009_618_129, 0.001_333_355_8, 0.000_154_035_3];
@@ -397,17 +399,14 @@ impl Simd for Portable {
     }
     #[inline(always)]
     unsafe fn store_f16(p: *mut u16, v: P8) {
-        for (i, &x) in v.iter().enumerate() {
-            // SAFETY: the caller guarantees 8 writable u16 at `p`.
-            unsafe { p.add(i).write_unaligned(half::f16::from_f32(x).to_bits()) };
-        }
+        // `half`'s slice conversion (its own run-time choice of instructions, e.g. on aarch64).
+        // SAFETY: the caller guarantees 8 writable u16 at `p`; f16 is a u16 bit pattern.
+        unsafe { std::slice::from_raw_parts_mut(p as *mut half::f16, 8) }.convert_from_f32_slice(&v);
     }
     #[inline(always)]
     unsafe fn store_bf16(p: *mut u16, v: P8) {
-        for (i, &x) in v.iter().enumerate() {
-            // SAFETY: the caller guarantees 8 writable u16 at `p`.
-            unsafe { p.add(i).write_unaligned(half::bf16::from_f32(x).to_bits()) };
-        }
+        // SAFETY: the caller guarantees 8 writable u16 at `p`; bf16 is a u16 bit pattern.
+        unsafe { std::slice::from_raw_parts_mut(p as *mut half::bf16, 8) }.convert_from_f32_slice(&v);
     }
     #[inline(always)]
     unsafe fn mask_range(t: P8, j: f32, a: P8, e: P8) -> P8 {
