@@ -110,48 +110,34 @@ impl Element for f32 {
         x
     }
 }
-impl Element for f16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        f16::to_f32(self)
-    }
-    #[inline(always)]
-    unsafe fn load<S: Simd>(p: *const f16) -> S::V {
-        // SAFETY: forwarded from the caller; f16 is a u16 bit pattern.
-        unsafe { S::load_f16(p as *const u16) }
-    }
-    const ZERO: f16 = f16::ZERO;
-    #[inline(always)]
-    unsafe fn store<S: Simd>(p: *mut f16, v: S::V) {
-        // SAFETY: forwarded from the caller; f16 is a u16 bit pattern.
-        unsafe { S::store_f16(p as *mut u16, v) }
-    }
-    #[inline(always)]
-    fn narrow(x: f32) -> f16 {
-        f16::from_f32(x)
-    }
+/// The two 16-bit formats: bit patterns that `S` widens and narrows with its own instructions.
+macro_rules! half_element {
+    ($t:ident, $load:ident, $store:ident) => {
+        impl Element for $t {
+            #[inline(always)]
+            fn to_f32(self) -> f32 {
+                $t::to_f32(self)
+            }
+            #[inline(always)]
+            unsafe fn load<S: Simd>(p: *const $t) -> S::V {
+                // SAFETY: forwarded from the caller; the format is a u16 bit pattern.
+                unsafe { S::$load(p as *const u16) }
+            }
+            const ZERO: $t = $t::ZERO;
+            #[inline(always)]
+            unsafe fn store<S: Simd>(p: *mut $t, v: S::V) {
+                // SAFETY: forwarded from the caller; the format is a u16 bit pattern.
+                unsafe { S::$store(p as *mut u16, v) }
+            }
+            #[inline(always)]
+            fn narrow(x: f32) -> $t {
+                $t::from_f32(x)
+            }
+        }
+    };
 }
-impl Element for bf16 {
-    #[inline(always)]
-    fn to_f32(self) -> f32 {
-        bf16::to_f32(self)
-    }
-    #[inline(always)]
-    unsafe fn load<S: Simd>(p: *const bf16) -> S::V {
-        // SAFETY: forwarded from the caller; bf16 is a u16 bit pattern.
-        unsafe { S::load_bf16(p as *const u16) }
-    }
-    const ZERO: bf16 = bf16::ZERO;
-    #[inline(always)]
-    unsafe fn store<S: Simd>(p: *mut bf16, v: S::V) {
-        // SAFETY: forwarded from the caller; bf16 is a u16 bit pattern.
-        unsafe { S::store_bf16(p as *mut u16, v) }
-    }
-    #[inline(always)]
-    fn narrow(x: f32) -> bf16 {
-        bf16::from_f32(x)
-    }
-}
+half_element!(f16, load_f16, store_f16);
+half_element!(bf16, load_bf16, store_bf16);
 
 /// A raw pointer to a slice that tasks write disjoint elements of.
 #[derive(Clone, Copy)]
