@@ -399,14 +399,20 @@ impl Simd for Portable {
     }
     #[inline(always)]
     unsafe fn store_f16(p: *mut u16, v: P8) {
-        // `half`'s slice conversion (its own run-time choice of instructions, e.g. on aarch64).
+        // `half`'s slice conversion (its own run-time choice of instructions, e.g. on aarch64),
+        // into registers, then one unaligned store: the trait promises 8 writable u16 at `p`, not
+        // their alignment (the loads read unaligned too).
+        let mut h = [half::f16::ZERO; 8];
+        h.convert_from_f32_slice(&v);
         // SAFETY: the caller guarantees 8 writable u16 at `p`; f16 is a u16 bit pattern.
-        unsafe { std::slice::from_raw_parts_mut(p as *mut half::f16, 8) }.convert_from_f32_slice(&v);
+        unsafe { p.cast::<[half::f16; 8]>().write_unaligned(h) };
     }
     #[inline(always)]
     unsafe fn store_bf16(p: *mut u16, v: P8) {
+        let mut h = [half::bf16::ZERO; 8];
+        h.convert_from_f32_slice(&v);
         // SAFETY: the caller guarantees 8 writable u16 at `p`; bf16 is a u16 bit pattern.
-        unsafe { std::slice::from_raw_parts_mut(p as *mut half::bf16, 8) }.convert_from_f32_slice(&v);
+        unsafe { p.cast::<[half::bf16; 8]>().write_unaligned(h) };
     }
     #[inline(always)]
     unsafe fn mask_range(t: P8, j: f32, a: P8, e: P8) -> P8 {
