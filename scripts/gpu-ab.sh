@@ -8,11 +8,14 @@
 #
 # There: ONLY (default " B4 ") picks the A/B's shapes; the default kernel of each, alone, f16 with
 # cooperative matrices where the adapter has them, and again with them off (PACKED=1, default).
-# TRIAL_ENV="NAME=value ...[;NAME=value ...]" adds the new binary under each set of variables (a
-# trial switch of the tree; sets apart by ';') to the A/B, with its packed kernel's registers and
-# its tests. BASE_SUITE=1 (here) also carries BASE's conformance suite, so that either text can
-# land with its GPU run. Every suite runs before any timing. COOP_AB=0 leaves the A/B's runs with
-# cooperative matrices out (the full bench still times that kernel).
+# TRIAL_ENV="NAME=value ...[;NAME=value ...]" adds the trial binary under each set of variables
+# (a trial switch; sets apart by ';') to the A/B, with its packed kernel's registers and its tests.
+# The trial binary is the new one, or the trial patch's: TRIAL_PATCH=<file> (here) builds
+# wgsl_bench and wgsl_backend from the tree with that patch applied, beside the bundle's own (the
+# tree's text), so one call runs both. BASE_SUITE=1 (here) also carries BASE's conformance suite,
+# so that either text can land with its GPU run. The base's and the trial's binaries travel
+# xz-compressed. Every suite runs before any timing. COOP_AB=0 leaves the A/B's and the trials'
+# runs with cooperative matrices out (the full bench still times that kernel).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=${BASE:?BASE=<commit> whose shaders are the A/B base}
@@ -34,6 +37,27 @@ if [[ ${1:-} == bundle ]]; then
   mv "$keep/base" bundle/base
   echo "$BASE" > bundle/base/COMMIT
   rm -rf "$keep"
+  if [[ -n ${TRIAL_PATCH:-} ]]; then
+    git apply "$TRIAL_PATCH"
+    trap 'git apply -R "$TRIAL_PATCH"' EXIT
+    mkdir -p bundle/trial
+    cargo test --no-run --features cuda,wgpu --test wgsl_bench --test wgsl_backend \
+      --message-format=json 2>/dev/null | python3 -c '
+import json, sys, shutil
+for line in sys.stdin:
+    try: m = json.loads(line)
+    except Exception: continue
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        shutil.copy(m["executable"], "bundle/trial/" + m["target"]["name"])
+'
+    git apply -R "$TRIAL_PATCH"
+    trap - EXIT
+    strip --strip-debug bundle/trial/*
+    echo "$(cat bundle/COMMIT) + $(basename "$TRIAL_PATCH")" > bundle/trial/COMMIT
+  fi
+  for f in bundle/base/* bundle/trial/*; do
+    if [[ -x $f ]]; then xz -T2 "$f"; fi
+  done
   sed -n '/^# ---- run ----$/,$p' "$0" > bundle/experiment.sh
   echo "bundle ready: run bash bundle/experiment.sh there"
   exit 0
@@ -47,8 +71,17 @@ ldconfig
 B=bundle/bin
 O=${OUT:-/tmp}
 ONLY=${ONLY:-" B4 "}
+for f in bundle/base/*.xz bundle/trial/*.xz; do
+  if [[ -e $f ]]; then xz -d -f "$f"; fi
+done
 nvidia-smi --query-gpu=name,driver_version,clocks.max.sm --format=csv,noheader
 echo "base $(cat bundle/base/COMMIT), new $(cat bundle/COMMIT)"
+# The trials' binaries: the trial patch's where the bundle has them, else the new text's.
+T=$B
+if [[ -d bundle/trial ]]; then
+  T=bundle/trial
+  echo "trials run $(cat bundle/trial/COMMIT)"
+fi
 TRIALS=()
 if [[ -n ${TRIAL_ENV:-} ]]; then IFS=';' read -r -a TRIALS <<< "$TRIAL_ENV"; fi
 lean() { ATTNKIT_BENCH_LEAN=1 ATTNKIT_BENCH_ONLY="$ONLY" timeout 90 "$@" --ignored --nocapture bench 2>&1 | tee -a "$O/ab_raw.txt" | grep -E "^\| " | grep -v "^| shape" | cut -c1-90; }
@@ -62,10 +95,12 @@ ab() {
     echo "-- new, cooperative matrices off"; ATTNKIT_WGPU_COOP=off lean $B/wgsl_bench
   fi
   for t in "${TRIALS[@]}"; do
+    if [[ ${COOP_AB:-1} == 1 ]]; then
+      # shellcheck disable=SC2086
+      echo "-- trial, $t"; (export $t; lean $T/wgsl_bench)
+    fi
     # shellcheck disable=SC2086
-    echo "-- new, $t"; (export $t; lean $B/wgsl_bench)
-    # shellcheck disable=SC2086
-    echo "-- new, $t, cooperative matrices off"; (export $t; ATTNKIT_WGPU_COOP=off lean $B/wgsl_bench)
+    echo "-- trial, $t, cooperative matrices off"; (export $t; ATTNKIT_WGPU_COOP=off lean $T/wgsl_bench)
   done
 }
 # Correct before fast: every suite (the new text's, the base's, each trial's) before any timing;
@@ -88,10 +123,10 @@ n=0
 for t in "${TRIALS[@]}"; do
   n=$((n + 1))
   # shellcheck disable=SC2086
-  suite "wgsl_backend, $t" "wgsl_backend_trial$n.txt" $t ATTNKIT_REQUIRE_COOP=1 timeout 150 $B/wgsl_backend
+  suite "wgsl_backend, $t" "wgsl_backend_trial$n.txt" $t ATTNKIT_REQUIRE_COOP=1 timeout 150 $T/wgsl_backend
   echo "== registers, $t"
   # shellcheck disable=SC2086
-  env $t ATTNKIT_STATS_ONLY=packed timeout 60 $B/wgsl_bench --ignored --nocapture kernel_statistics 2>&1 | grep -E "Register" | cut -c1-120
+  env $t ATTNKIT_STATS_ONLY=packed timeout 60 $T/wgsl_bench --ignored --nocapture kernel_statistics 2>&1 | grep -E "Register" | cut -c1-120
 done
 echo "== peer"
 timeout 80 bash bundle/run.sh anchor --quick > "$O/anchor.txt" 2>&1; echo "rc=$?"; tail -16 "$O/anchor.txt"
