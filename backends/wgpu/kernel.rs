@@ -969,6 +969,77 @@ mod tests {
         assert!(packed_source(128, DType::F16 as u32, &wide).contains("const HALF: u32 = 1u;"));
     }
 
+    /// The packed kernel's p.v loop, marked `// @driver-unroll`, is the one loop of `main` whose
+    /// SPIR-V asks the driver to unroll it. That rests on naga writing `main`'s loops in its IR's
+    /// statement order, checked here on the same module written with debug lines (the `OpLine`
+    /// before each `OpLoopMerge` is its loop's line). A marker before anything but a loop is an
+    /// error.
+    #[test]
+    fn driver_unroll_marks_the_p_v_loop() {
+        use super::super::spirv;
+        const OP_LINE: u32 = 8;
+        for (bq, d, dt) in [(64, 128, DType::F16), (64, 64, DType::BF16), (32, 128, DType::BF16), (32, 96, DType::F16)]
+        {
+            let p = Plan { kernel: Kernel::Packed, bq, bk: 64, nks: 0, pf: 0, tpk: 0 };
+            let src = packed_source(d, dt as u32, &p);
+            let module = naga::front::wgsl::parse_str(&src).unwrap();
+            let info =
+                naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
+                    .validate(&module)
+                    .unwrap();
+            let mut spans = Vec::new();
+            spirv::loop_spans(&module.entry_points[0].function.body, &mut spans);
+            let lines: Vec<u32> = spans.iter().map(|s| s.location(&src).line_number).collect();
+            let options = naga::back::spv::Options {
+                flags: naga::back::spv::WriterFlags::DEBUG,
+                debug_info: Some(naga::back::spv::DebugInfo {
+                    source_code: &src,
+                    file_name: "flash_attn_packed.wgsl",
+                    language: naga::back::spv::SourceLanguage::WGSL,
+                }),
+                ..Default::default()
+            };
+            let pipeline = naga::back::spv::PipelineOptions {
+                shader_stage: naga::ShaderStage::Compute,
+                entry_point: "main".into(),
+            };
+            let dbg = naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline)).unwrap();
+            let merges = spirv::entry_loop_merges(&dbg).unwrap();
+            let insts = spirv::instructions(&dbg).unwrap();
+            let merge_lines: Vec<u32> = merges
+                .iter()
+                .map(|&m| {
+                    insts.iter().rev().find(|&&(op, at)| op == OP_LINE && at < m).map_or(0, |&(_, at)| dbg[at + 2])
+                })
+                .collect();
+            assert_eq!(merge_lines, lines, "{bq} rows, D {d}, {dt}");
+            // The kernel's own module: one loop of main marked, the one after the marker.
+            let words = spirv::mt_module(&src).unwrap();
+            let controls: Vec<u32> =
+                spirv::entry_loop_merges(&words).unwrap().iter().map(|&at| words[at + 3]).collect();
+            assert_eq!(controls.len(), lines.len());
+            let marked: Vec<usize> = (0..controls.len()).filter(|&i| controls[i] == 1).collect();
+            assert!(marked.len() == 1 && controls.iter().all(|&c| c <= 1), "{controls:?}");
+            let line = lines[marked[0]] as usize;
+            let text: Vec<&str> = src.lines().collect();
+            assert!(text[line - 1].trim_start().starts_with("for (var jj = 0u; jj < BK;"), "{}", text[line - 1]);
+            assert_eq!(text[line - 2].trim(), spirv::DRIVER_UNROLL);
+        }
+        let loop_src = |marker_at_loop: bool| {
+            let m = |here: bool| if here { spirv::DRIVER_UNROLL } else { "" };
+            format!(
+                "@compute @workgroup_size(1)\nfn main() {{\n    {}\n    var x = 0u;\n    {}\n    for (var i = 0u; i < 4u; i++) {{ x += i; }}\n}}\n",
+                m(!marker_at_loop),
+                m(marker_at_loop)
+            )
+        };
+        let words = spirv::mt_module(&loop_src(true)).unwrap();
+        let merges = spirv::entry_loop_merges(&words).unwrap();
+        assert!(merges.len() == 1 && words[merges[0] + 3] == 1);
+        let e = spirv::mt_module(&loop_src(false)).unwrap_err().to_string();
+        assert!(e.contains("marks no loop"), "{e}");
+    }
+
     #[test]
     fn packed_q_steps_follow_the_head_dim() {
         // 16 d a q.k iteration where D / 4 allows it (4 unrolled steps), else 8 or 4; in the

@@ -20,10 +20,13 @@
 use super::backend_err;
 use crate::error::Result;
 
+const OP_ENTRY_POINT: u32 = 15;
 const OP_MEMORY_MODEL: u32 = 14;
 const OP_TYPE_POINTER: u32 = 32;
 const OP_CONSTANT: u32 = 43;
+const OP_FUNCTION: u32 = 54;
 const OP_FUNCTION_PARAMETER: u32 = 55;
+const OP_FUNCTION_END: u32 = 56;
 const OP_VARIABLE: u32 = 59;
 const OP_LOAD: u32 = 61;
 const OP_STORE: u32 = 62;
@@ -33,10 +36,13 @@ const OP_PTR_ACCESS_CHAIN: u32 = 67;
 const OP_COPY_OBJECT: u32 = 83;
 const OP_CONTROL_BARRIER: u32 = 224;
 const OP_MEMORY_BARRIER: u32 = 225;
+const OP_LOOP_MERGE: u32 = 246;
 const OP_COOP_LOAD: u32 = 4457;
 const OP_COOP_STORE: u32 = 4458;
 
 const STORAGE_WORKGROUP: u32 = 4;
+/// Loop control: unroll (a hint to the driver).
+const LOOP_CONTROL_UNROLL: u32 = 0x1;
 const MEMORY_MODEL_VULKAN: u32 = 3;
 /// Memory operand: the access takes part in inter-invocation ordering.
 pub(crate) const NON_PRIVATE_POINTER: u32 = 0x20;
@@ -127,7 +133,93 @@ fn module(
     let mut words = naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline))
         .map_err(|e| err("SPIR-V", e.to_string()))?;
     non_private_workgroup(&mut words).map_err(|e| err("SPIR-V mending", e))?;
+    // `ATTNKIT_WGPU_DRIVER_UNROLL=0` leaves the marked loops without the hint (A/B timing).
+    if !std::env::var("ATTNKIT_WGPU_DRIVER_UNROLL").is_ok_and(|v| v == "0") {
+        driver_unroll(src, &module, &mut words).map_err(|e| err("loop controls", e))?;
+    }
     Ok(words)
+}
+
+/// The marker line before a loop of `main` that the driver is asked to unroll.
+pub(crate) const DRIVER_UNROLL: &str = "// @driver-unroll";
+
+/// Give each loop of the entry point `main` whose `for` follows a line [`DRIVER_UNROLL`] the
+/// `Unroll` loop control, a hint that the Vulkan driver may take (naga writes no loop control).
+/// The loops of `main` in naga's IR, in statement order, are its `OpLoopMerge`s in the words, in
+/// order; their counts must agree, and every marker must mark a loop. Returns the loops marked.
+///
+/// The host unrolls the loops marked `// @unroll` itself (`super::unroll`); this is for loops
+/// too long for that, whose unrolling the driver does better with its own register allocation:
+/// on an H100, the packed kernel's p.v loop unrolled ran 1.04x (bf16) / 1.007x (f16) faster
+/// (docs/PERF_NOTES.md, wgpu v27).
+pub(crate) fn driver_unroll(src: &str, module: &naga::Module, words: &mut [u32]) -> std::result::Result<usize, String> {
+    // Where each marked loop starts: the first character of the line after the marker.
+    let mut targets = Vec::new();
+    let mut offset = 0;
+    let mut marked = false;
+    for (n, line) in src.split_inclusive('\n').enumerate() {
+        let text = line.trim_start();
+        if marked {
+            targets.push((n, offset + line.len() - text.len()));
+        }
+        marked = text.trim_end() == DRIVER_UNROLL;
+        offset += line.len();
+    }
+    if targets.is_empty() {
+        return Ok(0);
+    }
+    let ep = module.entry_points.iter().find(|e| e.name == "main").ok_or("no entry point `main`")?;
+    let mut spans = Vec::new();
+    loop_spans(&ep.function.body, &mut spans);
+    let merges = entry_loop_merges(words)?;
+    if merges.len() != spans.len() {
+        return Err(format!("main has {} loops in naga's IR but {} OpLoopMerge", spans.len(), merges.len()));
+    }
+    for &(line, start) in &targets {
+        let i = spans
+            .iter()
+            .position(|s| s.to_range().is_some_and(|r| r.start == start))
+            .ok_or_else(|| format!("`{DRIVER_UNROLL}` before line {} marks no loop of `main`", line + 1))?;
+        words[merges[i] + 3] = LOOP_CONTROL_UNROLL;
+    }
+    Ok(targets.len())
+}
+
+/// Where the `OpLoopMerge`s of the (one) entry point's function are, in order: between its
+/// `OpFunction` and its `OpFunctionEnd`.
+pub(crate) fn entry_loop_merges(words: &[u32]) -> std::result::Result<Vec<usize>, String> {
+    let insts = instructions(words)?;
+    let f =
+        insts.iter().find(|&&(op, _)| op == OP_ENTRY_POINT).map(|&(_, at)| words[at + 2]).ok_or("no OpEntryPoint")?;
+    let first =
+        insts.iter().position(|&(op, at)| op == OP_FUNCTION && words[at + 2] == f).ok_or("no OpFunction of main")?;
+    Ok(insts[first..]
+        .iter()
+        .take_while(|&&(op, _)| op != OP_FUNCTION_END)
+        .filter(|&&(op, _)| op == OP_LOOP_MERGE)
+        .map(|&(_, at)| at)
+        .collect())
+}
+
+/// The spans of the loops in `block`, in the order naga's SPIR-V writer emits them (a loop, then
+/// the loops of its body and continuing; an `if`'s accept block, then its reject block).
+pub(crate) fn loop_spans(block: &naga::Block, out: &mut Vec<naga::Span>) {
+    for (st, span) in block.span_iter() {
+        match st {
+            naga::Statement::Block(b) => loop_spans(b, out),
+            naga::Statement::If { accept, reject, .. } => {
+                loop_spans(accept, out);
+                loop_spans(reject, out);
+            }
+            naga::Statement::Switch { cases, .. } => cases.iter().for_each(|c| loop_spans(&c.body, out)),
+            naga::Statement::Loop { body, continuing, .. } => {
+                out.push(*span);
+                loop_spans(body, out);
+                loop_spans(continuing, out);
+            }
+            _ => {}
+        }
+    }
 }
 
 /// Mark every access through a workgroup pointer `NonPrivatePointer` and give every barrier
