@@ -15,7 +15,8 @@
 # tree's text), so one call runs both. BASE_SUITE=1 (here) also carries BASE's conformance suite,
 # so that either text can land with its GPU run. The base's and the trial's binaries travel
 # xz-compressed. Every suite runs before any timing. COOP_AB=0 leaves the A/B's and the trials'
-# runs with cooperative matrices out (the full bench still times that kernel).
+# runs with cooperative matrices out (the full bench still times that kernel). SHORT=1 (there)
+# runs only the packed kernel's tests of wgsl_backend (conformance stays whole), for a short call.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BASE=${BASE:?BASE=<commit> whose shaders are the A/B base}
@@ -118,7 +119,12 @@ suite "conformance wgpu::" conf.txt timeout 120 $B/conformance wgpu::
 if [[ -x bundle/base/conformance ]]; then
   suite "conformance wgpu::, base" conf_base.txt timeout 120 bundle/base/conformance wgpu::
 fi
-suite wgsl_backend wgsl_backend.txt ATTNKIT_REQUIRE_COOP=1 timeout 150 $B/wgsl_backend
+if [[ ${SHORT:-0} == 1 ]]; then
+  # A short call (little device time left): the packed kernel's own tests of the backend suite.
+  suite "wgsl_backend packed paged_whole" wgsl_backend.txt timeout 60 $B/wgsl_backend packed paged_whole
+else
+  suite wgsl_backend wgsl_backend.txt ATTNKIT_REQUIRE_COOP=1 timeout 150 $B/wgsl_backend
+fi
 n=0
 for t in "${TRIALS[@]}"; do
   n=$((n + 1))
