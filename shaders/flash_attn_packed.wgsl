@@ -546,7 +546,7 @@ fn main(@builtin(workgroup_id) wid: vec3<u32>, @builtin(local_invocation_index) 
             o3[n] *= al0.w;
         }
         // Unrolled by the driver (the host's unrolling would write BK copies of the body): 1.04x
-        // (bf16) / 1.007x (f16) on an H100 at 64x64 (docs/PERF_NOTES.md, wgpu v27).
+        // (bf16) / 1.005x (f16) on an H100 at 64x64 (docs/PERF_NOTES.md, wgpu v27).
         // @driver-unroll
         for (var jj = 0u; jj < BK; jj++) {
             var pa: vec4<f32>;

@@ -1038,6 +1038,8 @@ mod tests {
         assert!(merges.len() == 1 && words[merges[0] + 3] == 1);
         let e = spirv::mt_module(&loop_src(false)).unwrap_err().to_string();
         assert!(e.contains("marks no loop"), "{e}");
+        let e = spirv::mt_module(&format!("{}\n{}\n", loop_src(true).trim_end(), spirv::DRIVER_UNROLL)).unwrap_err();
+        assert!(e.to_string().contains("last line"), "{e}");
     }
 
     #[test]

@@ -20,8 +20,8 @@
 use super::backend_err;
 use crate::error::Result;
 
-const OP_ENTRY_POINT: u32 = 15;
 const OP_MEMORY_MODEL: u32 = 14;
+const OP_ENTRY_POINT: u32 = 15;
 const OP_TYPE_POINTER: u32 = 32;
 const OP_CONSTANT: u32 = 43;
 const OP_FUNCTION: u32 = 54;
@@ -150,7 +150,7 @@ pub(crate) const DRIVER_UNROLL: &str = "// @driver-unroll";
 ///
 /// The host unrolls the loops marked `// @unroll` itself (`super::unroll`); this is for loops
 /// too long for that, whose unrolling the driver does better with its own register allocation:
-/// on an H100, the packed kernel's p.v loop unrolled ran 1.04x (bf16) / 1.007x (f16) faster
+/// on an H100, the packed kernel's p.v loop unrolled ran 1.04x (bf16) / 1.005x (f16) faster
 /// (docs/PERF_NOTES.md, wgpu v27).
 pub(crate) fn driver_unroll(src: &str, module: &naga::Module, words: &mut [u32]) -> std::result::Result<usize, String> {
     // Where each marked loop starts: the first character of the line after the marker.
@@ -164,6 +164,9 @@ pub(crate) fn driver_unroll(src: &str, module: &naga::Module, words: &mut [u32])
         }
         marked = text.trim_end() == DRIVER_UNROLL;
         offset += line.len();
+    }
+    if marked {
+        return Err(format!("`{DRIVER_UNROLL}` on the last line"));
     }
     if targets.is_empty() {
         return Ok(0);
