@@ -43,14 +43,7 @@ if [[ ${1:-} == bundle ]]; then
     trap 'git apply -R "$TRIAL_PATCH"' EXIT
     mkdir -p bundle/trial
     cargo test --no-run --features cuda,wgpu --test wgsl_bench --test wgsl_backend \
-      --message-format=json 2>/dev/null | python3 -c '
-import json, sys, shutil
-for line in sys.stdin:
-    try: m = json.loads(line)
-    except Exception: continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        shutil.copy(m["executable"], "bundle/trial/" + m["target"]["name"])
-'
+      --message-format=json 2>/dev/null | python3 scripts/test-binaries.py bundle/trial
     git apply -R "$TRIAL_PATCH"
     trap - EXIT
     strip --strip-debug bundle/trial/*

@@ -28,16 +28,7 @@ mkdir -p bundle/bin bundle/examples
 test_args=()
 for t in ${TESTS:-}; do test_args+=(--test "$t"); done
 cargo test --no-run --features "$FEATURES" "${test_args[@]}" --message-format=json 2>/dev/null |
-  python3 -c '
-import json, sys, shutil, os
-for line in sys.stdin:
-    try: m = json.loads(line)
-    except Exception: continue
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
-        name = m["target"]["name"] + ("-unit" if m["target"]["kind"] == ["lib"] else "")
-        shutil.copy(m["executable"], os.path.join("bundle/bin", name))
-        print("bundled test", name)
-'
+  python3 scripts/test-binaries.py bundle/bin
 if [[ ",$FEATURES," == *",cli,"* ]]; then
   # The command uses no candle: build it without candle's CUDA build (nvcc) in release.
   bin_features=$(echo ",$FEATURES," | sed 's/,candle-cuda,/,/g; s/^,//; s/,$//')
