@@ -983,27 +983,11 @@ mod tests {
             let p = Plan { kernel: Kernel::Packed, bq, bk: 64, nks: 0, pf: 0, tpk: 0 };
             let src = packed_source(d, dt as u32, &p);
             let module = naga::front::wgsl::parse_str(&src).unwrap();
-            let info =
-                naga::valid::Validator::new(naga::valid::ValidationFlags::all(), naga::valid::Capabilities::all())
-                    .validate(&module)
-                    .unwrap();
             let mut spans = Vec::new();
             spirv::loop_spans(&module.entry_points[0].function.body, &mut spans);
             let lines: Vec<u32> = spans.iter().map(|s| s.location(&src).line_number).collect();
-            let options = naga::back::spv::Options {
-                flags: naga::back::spv::WriterFlags::DEBUG,
-                debug_info: Some(naga::back::spv::DebugInfo {
-                    source_code: &src,
-                    file_name: "flash_attn_packed.wgsl",
-                    language: naga::back::spv::SourceLanguage::WGSL,
-                }),
-                ..Default::default()
-            };
-            let pipeline = naga::back::spv::PipelineOptions {
-                shader_stage: naga::ShaderStage::Compute,
-                entry_point: "main".into(),
-            };
-            let dbg = naga::back::spv::write_vec(&module, &info, &options, Some(&pipeline)).unwrap();
+            // The same module with naga's debug lines (and no loop controls).
+            let dbg = spirv::mt_module_with_lines(&src).unwrap();
             let merges = spirv::entry_loop_merges(&dbg).unwrap();
             let insts = spirv::instructions(&dbg).unwrap();
             let merge_lines: Vec<u32> = merges

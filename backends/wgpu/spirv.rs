@@ -74,7 +74,7 @@ pub(crate) struct Mended {
 /// `ATTNKIT_WGPU_COOP_INDEX_CHECKS=1` restores the clamps (A/B).
 pub(crate) fn coop_module(src: &str) -> Result<Vec<u32>> {
     let flags = naga::valid::ValidationFlags::all() - naga::valid::ValidationFlags::CONTROL_FLOW_UNIFORMITY;
-    module(src, (1, 5), array_index_policy("ATTNKIT_WGPU_COOP_INDEX_CHECKS"), flags)
+    module(src, (1, 5), array_index_policy("ATTNKIT_WGPU_COOP_INDEX_CHECKS"), flags, false)
 }
 
 /// The micro-tile kernel's WGSL as SPIR-V 1.3 (Vulkan 1.1) with every storage-buffer access
@@ -84,7 +84,14 @@ pub(crate) fn coop_module(src: &str) -> Result<Vec<u32>> {
 /// keeps the driver from folding the loads' constant offsets. `ATTNKIT_WGPU_MT_INDEX_CHECKS=1`
 /// restores the clamps (A/B).
 pub(crate) fn mt_module(src: &str) -> Result<Vec<u32>> {
-    module(src, (1, 3), array_index_policy("ATTNKIT_WGPU_MT_INDEX_CHECKS"), naga::valid::ValidationFlags::all())
+    module(src, (1, 3), array_index_policy("ATTNKIT_WGPU_MT_INDEX_CHECKS"), naga::valid::ValidationFlags::all(), false)
+}
+
+/// [`mt_module`]'s words with naga's debug lines (an `OpLine` before each loop, among others)
+/// and no loop controls: for tests that map the words back to the source.
+#[cfg(test)]
+pub(crate) fn mt_module_with_lines(src: &str) -> Result<Vec<u32>> {
+    module(src, (1, 3), array_index_policy("ATTNKIT_WGPU_MT_INDEX_CHECKS"), naga::valid::ValidationFlags::all(), true)
 }
 
 /// Array indices of a kernel whose indices are in range by construction: unclamped, unless the
@@ -99,12 +106,14 @@ fn array_index_policy(var: &str) -> naga::proc::BoundsCheckPolicy {
 
 /// `src` as SPIR-V `lang` with array indices under `index` and buffer accesses clamped, validated
 /// under `flags`; mended where the module declares the Vulkan memory model (see
-/// [`non_private_workgroup`]).
+/// [`non_private_workgroup`]). With `lines`, naga's debug lines are written and the loop controls
+/// left out (tests).
 fn module(
     src: &str,
     lang: (u8, u8),
     index: naga::proc::BoundsCheckPolicy,
     flags: naga::valid::ValidationFlags,
+    lines: bool,
 ) -> Result<Vec<u32>> {
     let err = |what: &str, e: String| backend_err(format!("kernel module, {what}: {e}"));
     let module = naga::front::wgsl::parse_str(src).map_err(|e| err("WGSL", e.emit_to_string(src)))?;
@@ -115,7 +124,12 @@ fn module(
         // SPIR-V 1.5 (Vulkan 1.2 and later, which every device with cooperative matrices has) for
         // the coop kernel, 1.3 for the portable one.
         lang_version: lang,
-        flags: naga::back::spv::WriterFlags::empty(),
+        flags: if lines { naga::back::spv::WriterFlags::DEBUG } else { naga::back::spv::WriterFlags::empty() },
+        debug_info: lines.then_some(naga::back::spv::DebugInfo {
+            source_code: src,
+            file_name: "kernel.wgsl",
+            language: naga::back::spv::SourceLanguage::WGSL,
+        }),
         bounds_check_policies: naga::proc::BoundsCheckPolicies {
             index,
             buffer: naga::proc::BoundsCheckPolicy::Restrict,
@@ -134,7 +148,7 @@ fn module(
         .map_err(|e| err("SPIR-V", e.to_string()))?;
     non_private_workgroup(&mut words).map_err(|e| err("SPIR-V mending", e))?;
     // `ATTNKIT_WGPU_DRIVER_UNROLL=0` leaves the marked loops without the hint (A/B timing).
-    if !std::env::var("ATTNKIT_WGPU_DRIVER_UNROLL").is_ok_and(|v| v == "0") {
+    if !lines && !std::env::var("ATTNKIT_WGPU_DRIVER_UNROLL").is_ok_and(|v| v == "0") {
         driver_unroll(src, &module, &mut words).map_err(|e| err("loop controls", e))?;
     }
     Ok(words)
