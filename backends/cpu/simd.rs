@@ -298,6 +298,22 @@ pub(crate) struct Portable;
 
 type P8 = [f32; 8];
 
+/// Eight 16-bit values written by `narrow` (`half`'s slice conversion, with its own run-time
+/// choice of instructions, e.g. on aarch64) into registers, then stored at `p` with one unaligned
+/// write: the `Simd` trait promises 8 writable u16 at `p`, not their alignment (the loads read
+/// unaligned too).
+///
+/// # Safety
+/// 8 writable u16 at `p`, and `T` a 16-bit pattern (checked at compile time).
+#[inline(always)]
+unsafe fn store_narrowed<T: Copy>(p: *mut u16, zero: T, narrow: impl FnOnce(&mut [T])) {
+    const { assert!(std::mem::size_of::<T>() == 2) };
+    let mut h = [zero; 8];
+    narrow(&mut h);
+    // SAFETY: the caller guarantees 8 writable u16 at `p`; `[T; 8]` is 16 bytes (asserted above).
+    unsafe { p.cast::<[T; 8]>().write_unaligned(h) };
+}
+
 #[inline(always)]
 fn map2(a: P8, b: P8, f: impl Fn(f32, f32) -> f32) -> P8 {
     let mut r = [0.0; 8];
@@ -399,20 +415,13 @@ impl Simd for Portable {
     }
     #[inline(always)]
     unsafe fn store_f16(p: *mut u16, v: P8) {
-        // `half`'s slice conversion (its own run-time choice of instructions, e.g. on aarch64),
-        // into registers, then one unaligned store: the trait promises 8 writable u16 at `p`, not
-        // their alignment (the loads read unaligned too).
-        let mut h = [half::f16::ZERO; 8];
-        h.convert_from_f32_slice(&v);
         // SAFETY: the caller guarantees 8 writable u16 at `p`; f16 is a u16 bit pattern.
-        unsafe { p.cast::<[half::f16; 8]>().write_unaligned(h) };
+        unsafe { store_narrowed(p, half::f16::ZERO, |h: &mut [half::f16]| h.convert_from_f32_slice(&v)) }
     }
     #[inline(always)]
     unsafe fn store_bf16(p: *mut u16, v: P8) {
-        let mut h = [half::bf16::ZERO; 8];
-        h.convert_from_f32_slice(&v);
         // SAFETY: the caller guarantees 8 writable u16 at `p`; bf16 is a u16 bit pattern.
-        unsafe { p.cast::<[half::bf16; 8]>().write_unaligned(h) };
+        unsafe { store_narrowed(p, half::bf16::ZERO, |h: &mut [half::bf16]| h.convert_from_f32_slice(&v)) }
     }
     #[inline(always)]
     unsafe fn mask_range(t: P8, j: f32, a: P8, e: P8) -> P8 {
